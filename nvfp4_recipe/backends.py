@@ -1,0 +1,125 @@
+"""Backends: the implementations of NVFP4 quantization and the NVFP4 GEMM for a device.
+
+- ``reference``: plain PyTorch (``reference.py``), any device; the spec.
+- ``triton``: fused Triton kernels (``kernels/``) for CUDA GPUs before Blackwell and, in tests, the
+  Triton interpreter on CPU.
+- ``native``: sm100+ FP4 tensor cores through ``torch._scaled_mm``.
+
+Every backend implements :class:`Backend`; a backend may leave a method to the reference
+implementation it inherits. ``get_backend`` resolves "auto" and logs a fallback once.
+"""
+
+import logging
+from typing import Optional, Tuple
+
+import torch
+
+from . import reference as R
+from .recipe import OperandSpec
+from .reference import NVFP4Data
+
+log = logging.getLogger("nvfp4_recipe")
+
+
+class Backend:
+    """The reference backend; subclasses override methods with faster kernels that give the same bits.
+
+    Operand convention: an operand is an :class:`NVFP4Data` of an (M, K) matrix with blocks along K.
+    """
+
+    name = "reference"
+
+    def quantize(self, x: torch.Tensor, spec: OperandSpec, seed: R.IntOrTensor = 0,
+                 offset: R.IntOrTensor = 0, rht_signs: Optional[torch.Tensor] = None) -> NVFP4Data:
+        """Rowwise quantization of x (..., M, K) along K as ``spec`` says (RHT along K if spec.rht)."""
+        signs = rht_signs if spec.rht else None
+        amax_ = None
+        if spec.amax_scale is not None:
+            amax_ = spec.amax_scale * R.amax(x, spec.scaling)
+        return R.quantize(x, block=spec.block, scaling=spec.scaling, rounding=spec.rounding,
+                          seed=seed, offset=offset, rht_signs=signs, amax_=amax_)
+
+    def quantize_pair(self, x: torch.Tensor, row: OperandSpec, col: OperandSpec,
+                      seed: R.IntOrTensor = 0, row_offset: R.IntOrTensor = 0,
+                      col_offset: R.IntOrTensor = 0, rht_signs: Optional[torch.Tensor] = None,
+                      ) -> Tuple[NVFP4Data, NVFP4Data]:
+        """Rowwise copy of x (M, K) and columnwise copy (the quantization of x^T, (K, M), blocks along M).
+
+        The fused kernels read x once for both; the result equals two calls of :meth:`quantize`.
+        """
+        return (self.quantize(x, row, seed, row_offset, rht_signs),
+                self.quantize(x.t(), col, seed, col_offset, rht_signs))
+
+    def quantize_weight(self, w: torch.Tensor, spec: OperandSpec) -> Tuple[NVFP4Data, NVFP4Data]:
+        """W (N, K) for fprop and W^T (K, N) for dgrad. 2d: one quantization, W^T its exact transpose;
+        1d: two quantizations, blocks along K for W and along N for W^T."""
+        wq = self.quantize(w, spec)
+        if spec.block == "2d":
+            return wq, R.transpose_2d(wq)
+        return wq, self.quantize(w.t(), spec)
+
+    def scaled_mm(self, a: NVFP4Data, b: NVFP4Data, a_block: str = "1d", b_block: str = "1d",
+                  bias: Optional[torch.Tensor] = None,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """D (M, N) = (s_a * s_b) * (A_deq @ B_deq^T) + bias for A (M, K) and B (N, K)."""
+        return R.scaled_mm(a, b, a_block=a_block, b_block=b_block, bias=bias, out_dtype=out_dtype)
+
+
+_BACKENDS = {"reference": Backend}
+_INSTANCES = {}
+_WARNED = set()
+
+
+def register_backend(cls) -> type:
+    """Class decorator: make a :class:`Backend` subclass selectable by its ``name``."""
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        log.warning(msg)
+
+
+def _available(name: str, device: torch.device) -> Optional[str]:
+    """None if backend ``name`` can run on ``device``, else the reason it cannot."""
+    if name == "reference":
+        return None
+    if name not in _BACKENDS:
+        return f"the {name} backend is not built into this installation"
+    if device.type != "cuda":
+        import os
+        if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return f"the {name} backend needs a CUDA device, got {device}"
+    if name == "native" and torch.cuda.get_device_capability(device) < (10, 0):
+        return "the native backend needs an sm100+ (Blackwell) GPU"
+    return None
+
+
+def get_backend(name: str, device: torch.device) -> Backend:
+    """The backend for ``name`` ("auto", "reference", "triton", "native") on ``device``.
+
+    "auto" picks native on sm100+, triton on other CUDA GPUs and reference elsewhere, falling back
+    to the next one (with a warning logged once) when a backend is unavailable.
+
+    Raises:
+        ValueError: a backend named explicitly cannot run on ``device``.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        order = ["native", "triton", "reference"] if device.type == "cuda" else ["reference"]
+        for i, candidate in enumerate(order):
+            why = _available(candidate, device)
+            if why is None:
+                break
+            _warn_once(f"NVFP4 backend {candidate!r} unavailable ({why}); falling back to {order[i + 1]!r}")
+        name = candidate
+    else:
+        why = _available(name, device)
+        if why is not None:
+            raise ValueError(f"NVFP4 backend {name!r} cannot run here: {why}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _BACKENDS[name]()
+    return _INSTANCES[name]

@@ -1,0 +1,122 @@
+"""NVFP4Recipe: which NVFP4 techniques a training linear uses, and how each GEMM operand is quantized.
+
+Defaults follow NVIDIA's NVFP4 pretraining recipe (NVIDIA, "Pretraining Large Language Models with
+NVFP4", arXiv 2509.25149): 2D 16x16 weight blocks, RHT on the wgrad operands, stochastic rounding on
+gradients, per-tensor outer scales. ``docs/recipe.md`` describes every field.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+from torchao.core.config import AOBaseConfig
+
+from .formats import BLOCK
+
+BACKENDS = ("auto", "reference", "triton", "native")
+# The five quantized operands of one training linear, by GEMM (design.md, "The recipe").
+ROLES = ("x_fprop", "w_fprop", "dy_dgrad", "dy_wgrad", "x_wgrad")
+# SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
+# fewer than 2**34 elements (8 elements per counter).
+SR_OFFSETS = {"dy_dgrad": 0, "dy_wgrad": 2**31}
+
+
+@dataclass(frozen=True)
+class OperandSpec:
+    """How one GEMM operand is quantized: keyword arguments of ``reference.quantize`` minus the
+    stream, plus ``amax_scale`` (estimate the post-RHT amax as amax_scale * amax(x); None = measure)."""
+
+    block: str
+    scaling: str
+    rounding: str
+    rht: bool
+    amax_scale: Optional[float]
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"NVFP4Recipe.{name}: {msg}")
+
+
+@dataclass
+class NVFP4Recipe(AOBaseConfig):
+    """Configuration of NVFP4 training for ``quantize_``.
+
+    Fields:
+        rht: apply the 16-point random Hadamard transform to both wgrad operands (dY^T and X^T).
+        rht_signs: the 16 +-1 signs of the RHT; None draws them from ``seed`` at swap time.
+        stochastic_rounding: round the gradient operands (dY for dgrad and wgrad) stochastically.
+        amax_estimation: None (measure amax after the RHT) or (act_scale, grad_scale): estimate the
+            post-RHT amax of X^T / dY^T as scale * amax before the RHT, skipping a pass.
+        weight_2d: quantize weights in 16x16 tiles so that W (fprop) and W^T (dgrad) agree.
+        scaling: "per_tensor" or "per_token" outer scales for activations and gradients (weights
+            keep a per-tensor outer scale, so W and W^T share one quantization).
+        keep_bf16: fnmatch patterns of fully qualified module names left in high precision.
+        keep_first_last: keep the first and the last this many nn.Linear layers in high precision.
+        backend: "auto" (native on sm100+, triton on other CUDA GPUs, reference on CPU),
+            "reference", "triton" or "native".
+        seed: base seed of the SR streams and of random RHT signs.
+
+    Raises:
+        ValueError: at construction, naming the field, for any invalid value or combination.
+    """
+
+    rht: bool = True
+    rht_signs: Optional[Tuple[int, ...]] = None
+    stochastic_rounding: bool = True
+    amax_estimation: Optional[Tuple[float, float]] = None
+    weight_2d: bool = True
+    scaling: str = "per_tensor"
+    keep_bf16: Tuple[str, ...] = field(default_factory=tuple)
+    keep_first_last: int = 0
+    backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("rht", "stochastic_rounding", "weight_2d"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.rht_signs is not None:
+            signs = tuple(self.rht_signs)
+            _check(len(signs) == BLOCK and all(s in (1, -1) for s in signs), "rht_signs",
+                   f"must be {BLOCK} values of +1/-1, got {self.rht_signs!r}")
+            _check(self.rht, "rht_signs", "given, but rht=False")
+            self.rht_signs = signs
+        if self.amax_estimation is not None:
+            est = tuple(self.amax_estimation)
+            _check(len(est) == 2 and all(isinstance(s, (int, float)) and s > 0 for s in est),
+                   "amax_estimation", f"must be None or two positive scales, got {self.amax_estimation!r}")
+            _check(self.rht, "amax_estimation", "estimates the post-RHT amax; it needs rht=True")
+            self.amax_estimation = tuple(float(s) for s in est)
+        _check(self.scaling in ("per_tensor", "per_token"), "scaling",
+               f"must be 'per_tensor' or 'per_token', got {self.scaling!r}")
+        _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+        if isinstance(self.keep_bf16, str):
+            self.keep_bf16 = (self.keep_bf16,)
+        self.keep_bf16 = tuple(self.keep_bf16)
+        _check(all(isinstance(p, str) for p in self.keep_bf16), "keep_bf16",
+               f"must be fnmatch patterns (str), got {self.keep_bf16!r}")
+        _check(isinstance(self.keep_first_last, int) and self.keep_first_last >= 0, "keep_first_last",
+               f"must be an int >= 0, got {self.keep_first_last!r}")
+        _check(isinstance(self.seed, int) and 0 <= self.seed < 2**31, "seed",
+               f"must be an int in [0, 2**31), got {self.seed!r}")
+
+    def operand(self, role: str) -> OperandSpec:
+        """The quantization of one GEMM operand; ``role`` is one of :data:`ROLES`."""
+        if role not in ROLES:
+            raise ValueError(f"unknown operand role {role!r}; expected one of {ROLES}")
+        if role == "w_fprop":
+            return OperandSpec("2d" if self.weight_2d else "1d", "per_tensor", "rn", False, None)
+        grad = role.startswith("dy")
+        wgrad = role.endswith("wgrad")
+        amax_scale = None
+        if wgrad and self.amax_estimation is not None:
+            amax_scale = self.amax_estimation[1 if grad else 0]
+        rounding = "sr" if grad and self.stochastic_rounding else "rn"
+        return OperandSpec("1d", self.scaling, rounding, wgrad and self.rht, amax_scale)
+
+    def signs(self) -> torch.Tensor:
+        """The RHT signs as a (16,) float32 tensor (drawn from ``seed`` when ``rht_signs`` is None)."""
+        if self.rht_signs is not None:
+            return torch.tensor(self.rht_signs, dtype=torch.float32)
+        from .reference import random_signs
+        return random_signs(torch.Generator().manual_seed(self.seed))

@@ -1,0 +1,322 @@
+"""The NVFP4 numerics spec in plain PyTorch: readable, exact, slow.
+
+Every backend (the Triton kernels, the native Blackwell GEMM) must reproduce these functions; the
+tests compare them bit for bit where ``docs/numerics.md`` says so. The items referred to below are the
+numbered items of that spec. Works on any device PyTorch runs on.
+
+Tensor conventions: an operand is (..., M, K) with its 16-element blocks along the last dimension K
+(the GEMM reduction dimension). 2D blocks are 16x16 tiles of a 2D (M, K) tensor.
+"""
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .formats import (BLOCK, E2M1_GRID, E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, OUTER_DIVISOR,
+                      e2m1_decode, e2m1_encode_rn, e2m1_floor_code, pack_nibbles, unpack_nibbles)
+
+IntOrTensor = Union[int, torch.Tensor]
+
+BLOCKS = ("1d", "2d")
+SCALINGS = ("per_tensor", "per_token")
+ROUNDINGS = ("rn", "sr")
+
+# ----------------------------------------------------------------------------------------------
+# Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011), written
+# with the constants and round order of triton.language.random so that it yields the same bits as
+# tl.randint4x(seed, offset) for a uint32 offset.
+# ----------------------------------------------------------------------------------------------
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_U32 = 0xFFFFFFFF
+
+
+def _umulhi_lo(a: torch.Tensor, b: int):
+    """High and low 32-bit words of a * b for uint32 values held in int64 (no 64-bit overflow)."""
+    hi = (a * (b >> 16) + ((a * (b & 0xFFFF)) >> 16)) >> 16
+    return hi, (a * b) & _U32
+
+
+def philox4x32(seed: IntOrTensor, counter: torch.Tensor, rounds: int = 10):
+    """Philox-4x32 of counter (counter, 0, 0, 0) under the 64-bit key ``seed``.
+
+    Args:
+        seed: int in [0, 2**63) or 0-d int64 tensor; key = (seed & 0xFFFFFFFF, seed >> 32).
+        counter: int64 tensor of uint32 values (any shape).
+    Returns:
+        Four int64 tensors shaped like ``counter`` holding uint32 words, equal to Triton's
+        ``tl.randint4x(seed, counter)`` (``tl.randint`` is the first word).
+    """
+    c0 = counter.to(torch.int64) & _U32
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=c0.device)
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    for _ in range(rounds):
+        hi_b, lo_b = _umulhi_lo(c2, _PHILOX_ROUND_B)
+        hi_a, lo_a = _umulhi_lo(c0, _PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _PHILOX_KEY_A) & _U32
+        k1 = (k1 + _PHILOX_KEY_B) & _U32
+    return c0, c1, c2, c3
+
+
+def sr_bits(seed: IntOrTensor, offset: IntOrTensor, shape, device=None) -> torch.Tensor:
+    """16 uniform random bits per element for stochastic rounding (spec item 6).
+
+    Element i (row-major linear index in ``shape``) takes 16-bit half ``i % 2`` (0 = low) of word
+    ``(i % 8) // 2`` of ``tl.randint4x(seed, offset + i // 8)``: one Philox call serves 8 elements.
+
+    Returns:
+        int64 tensor of ``shape`` with values in [0, 65536).
+    """
+    n = 1
+    for s in shape:
+        n *= s
+    if n % 8:
+        raise ValueError(f"stochastic rounding needs a multiple of 8 elements, got {n}")
+    offset = torch.as_tensor(offset, dtype=torch.int64, device=device)
+    counter = offset + torch.arange(n // 8, dtype=torch.int64, device=device)
+    words = torch.stack(philox4x32(seed, counter), dim=-1)  # (n/8, 4)
+    halves = torch.stack([words & 0xFFFF, words >> 16], dim=-1)  # (n/8, 4, 2)
+    return halves.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Random Hadamard transform (spec item 7)
+# ----------------------------------------------------------------------------------------------
+def hadamard16(device=None) -> torch.Tensor:
+    """The 16x16 Sylvester Hadamard matrix (entries +-1), float32."""
+    h = torch.ones(1, 1, device=device)
+    for _ in range(4):
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def random_signs(generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A random +-1 float32 vector of 16 for the RHT (CPU; move it where it is used)."""
+    bits = torch.randint(0, 2, (BLOCK,), generator=generator)
+    return (1 - 2 * bits).to(torch.float32)
+
+
+def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Random Hadamard transform on blocks of 16 along the last dimension.
+
+    ``y_block = x_block @ H16 @ diag(signs) / 4`` (orthogonal), computed as a fixed 4-stage fp32
+    butterfly (pair distance 1, 2, 4, 8; ``(a, b) -> (a + b, a - b)``) so that every backend gets the
+    same bits. Source: Tseng et al., QuIP# (2024), as used by NVIDIA's NVFP4 recipe (arXiv 2509.25149).
+
+    Args:
+        x: (..., K) float tensor, K a multiple of 16.
+        signs: (16,) tensor of +-1.
+    Returns:
+        float32 tensor of the shape of ``x``.
+    """
+    _check_last_dim(x)
+    y = x.float().reshape(-1, BLOCK)
+    h = 1
+    while h < BLOCK:
+        pairs = y.reshape(-1, BLOCK // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).reshape(-1, BLOCK)
+        h *= 2
+    y = y * signs.to(device=y.device, dtype=torch.float32) * 0.25
+    return y.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization (spec items 1-5, 8-10)
+# ----------------------------------------------------------------------------------------------
+class NVFP4Data(NamedTuple):
+    """Plain tensors of one NVFP4 operand.
+
+    qdata: uint8 (..., M, K // 2), two E2M1 codes per byte, even element in the low nibble.
+    scale: float8_e4m3fn block scales, (..., M, K // 16) for 1d or (M // 16, K // 16) for 2d.
+    outer_scale: float32 outer scale, () per-tensor or (..., M) per-token; amax / 2688.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    outer_scale: torch.Tensor
+
+
+def _check_last_dim(x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"the last dimension must be a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+
+
+def check_input(x: torch.Tensor, block: str, scaling: str, rounding: str) -> None:
+    """Validate a high-precision tensor and options for quantization.
+
+    Raises:
+        TypeError: dtype not bfloat16, float16 or float32.
+        ValueError: an unknown option, a dimension not a multiple of 16, or 2d blocks on a tensor
+            that is not 2-D or with per-token scaling.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"NVFP4 quantization takes bfloat16, float16 or float32 input, got {x.dtype}")
+    for name, value, allowed in (("block", block, BLOCKS), ("scaling", scaling, SCALINGS),
+                                 ("rounding", rounding, ROUNDINGS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    _check_last_dim(x)
+    if block == "2d":
+        if x.dim() != 2 or x.shape[0] % BLOCK:
+            raise ValueError(f"2d (16x16) blocks need a 2-D tensor with both dims multiples of 16, "
+                             f"got shape {tuple(x.shape)}")
+        if scaling == "per_token":
+            raise ValueError("2d blocks take a per-tensor outer scale; per_token scaling needs 1d blocks")
+
+
+def amax(x: torch.Tensor, scaling: str) -> torch.Tensor:
+    """max |x| as float32: a scalar (per_tensor) or one per row, shape (..., M) (per_token).
+
+    NaN and Inf propagate (spec item 9).
+    """
+    a = x.float().abs()
+    return a.amax() if scaling == "per_tensor" else a.amax(dim=-1)
+
+
+def outer_scale_from_amax(amax_: torch.Tensor) -> torch.Tensor:
+    """s_outer = amax / (448 * 6) in float32 (spec item 1)."""
+    return amax_.float() / OUTER_DIVISOR
+
+
+def _block_view(x: torch.Tensor, block: str) -> torch.Tensor:
+    """(…, M, K) -> (…, M, K/16, 16) for 1d, (M/16, K/16, 16, 16) for 2d."""
+    if block == "1d":
+        return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    m, k = x.shape
+    return x.reshape(m // BLOCK, BLOCK, k // BLOCK, BLOCK).transpose(1, 2).reshape(
+        m // BLOCK, k // BLOCK, BLOCK * BLOCK)
+
+
+def _unblock(v: torch.Tensor, shape, block: str) -> torch.Tensor:
+    if block == "1d":
+        return v.reshape(shape)
+    m, k = shape
+    return v.reshape(m // BLOCK, k // BLOCK, BLOCK, BLOCK).transpose(1, 2).reshape(m, k)
+
+
+def block_scales(blocks: torch.Tensor, s_div: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale of spec item 2: e4m3(clamp((block_amax / 6) / s_outer, 2**-6, 448))."""
+    block_amax = blocks.abs().amax(dim=-1)
+    scaled = (block_amax / E2M1_MAX) / s_div
+    return torch.clamp(scaled, min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def round_sr(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of float32 ``v`` in [-6, 6] to E2M1 codes (spec item 6).
+
+    With lo <= |v| < hi the neighbouring E2M1 magnitudes, rounds up iff ``bits * 2**-16 <
+    (|v| - lo) / (hi - lo)``; both sides are exact in float32, so every backend agrees bit for bit.
+    The expectation is |v| up to a bias below (hi - lo) * 2**-16.
+    """
+    a = v.abs()
+    lo_code = e2m1_floor_code(a)
+    grid = torch.tensor(E2M1_GRID + (E2M1_MAX,), dtype=torch.float32, device=v.device)
+    lo = grid[lo_code.long()]
+    step = grid[lo_code.long() + 1] - lo
+    p = (a - lo) / torch.where(step == 0, 1.0, step)
+    up = (bits.to(torch.float32) * 2.0**-16) < p
+    return (lo_code + up.to(torch.uint8)) | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def quantize(x: torch.Tensor, *, block: str = "1d", scaling: str = "per_tensor",
+             rounding: str = "rn", seed: IntOrTensor = 0, offset: IntOrTensor = 0,
+             rht_signs: Optional[torch.Tensor] = None,
+             amax_: Optional[torch.Tensor] = None) -> NVFP4Data:
+    """Quantize a high-precision tensor to NVFP4 (spec items 1-10).
+
+    Args:
+        x: (..., M, K) bfloat16/float16/float32 tensor, K (and M for 2d) a multiple of 16.
+        block: "1d" (1x16 blocks along K) or "2d" (16x16 tiles; 2-D input, per-tensor only).
+        scaling: "per_tensor" (one outer scale) or "per_token" (one per row, shape (..., M)).
+        rounding: "rn" (round to nearest even) or "sr" (stochastic, Philox bits from seed/offset).
+        seed, offset: the SR stream, see :func:`sr_bits`; ignored for "rn".
+        rht_signs: if given, quantize ``rht(x, rht_signs)`` instead of ``x`` (spec item 7).
+        amax_: overrides the measured amax (spec item 8, amax estimation); scalar or (..., M).
+    Returns:
+        :class:`NVFP4Data`. For per-tensor 1d RN without RHT this is bit-identical to torchao 0.18's
+        ``nvfp4_quantize(x, 16, amax / 2688)`` (spec item 5).
+    Raises:
+        TypeError, ValueError: see :func:`check_input`.
+    """
+    check_input(x, block, scaling, rounding)
+    xf = x.float() if rht_signs is None else rht(x, rht_signs)
+    if amax_ is None:
+        amax_ = amax(xf, scaling)
+    s_outer = outer_scale_from_amax(amax_)
+    # An all-zero tensor (or row) has s_outer = 0; divide by 1 instead so that its blocks get the
+    # smallest scale and zero codes rather than 0/0 = NaN (spec item 10). Inf/NaN still propagate.
+    s_div = torch.where(s_outer == 0, torch.ones_like(s_outer), s_outer)
+    if scaling == "per_token":
+        s_div = s_div[..., None]
+    blocks = _block_view(xf, block)
+    scale = block_scales(blocks, s_div)
+    recip = (1.0 / s_div) / scale.float()
+    v = torch.clamp(blocks * recip[..., None], -E2M1_MAX, E2M1_MAX)
+    v = _unblock(v, xf.shape, block)
+    if rounding == "rn":
+        codes = e2m1_encode_rn(v)
+    else:
+        codes = round_sr(v, sr_bits(seed, offset, v.shape, device=v.device))
+    return NVFP4Data(pack_nibbles(codes), scale, s_outer)
+
+
+def expand_scale(scale: torch.Tensor, block: str) -> torch.Tensor:
+    """Block scales as one row per data row, float32: (…, M, K/16); 2d scales repeat 16 times."""
+    s = scale.float()
+    return s.repeat_interleave(BLOCK, dim=-2) if block == "2d" else s
+
+
+def dequantize_inner(qdata: torch.Tensor, scale: torch.Tensor, block: str = "1d") -> torch.Tensor:
+    """codes * block scale, float32 (..., M, K), without the outer scale. Exact (fits bfloat16)."""
+    v = e2m1_decode(unpack_nibbles(qdata))
+    s = expand_scale(scale, block)
+    return (v.reshape(*s.shape, BLOCK) * s[..., None]).reshape(v.shape)
+
+
+def dequantize(data: NVFP4Data, block: str = "1d") -> torch.Tensor:
+    """Dequantize to float32 (..., M, K): codes * block scale * outer scale."""
+    inner = dequantize_inner(data.qdata, data.scale, block)
+    outer = data.outer_scale
+    return inner * (outer[..., None] if outer.dim() else outer)
+
+
+def transpose_2d(data: NVFP4Data) -> NVFP4Data:
+    """The exact transpose of a 2d-quantized (M, K) operand, as a (K, M) operand packed along M.
+
+    Codes and block scales are moved, not requantized: dequantize(transpose) == dequantize(x).T.
+    """
+    codes = unpack_nibbles(data.qdata).t().contiguous()
+    return NVFP4Data(pack_nibbles(codes), data.scale.t().contiguous(), data.outer_scale)
+
+
+def scaled_mm(a: NVFP4Data, b: NVFP4Data, *, a_block: str = "1d", b_block: str = "1d",
+              bias: Optional[torch.Tensor] = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Emulated NVFP4 GEMM: D = (s_a[:, None] * s_b[None, :]) * (A_deq @ B_deq^T) + bias.
+
+    A_deq, B_deq are codes times block scales (exact in float32); the product accumulates in
+    float32 and the outer scales factor out of the K-sum (spec item 1).
+
+    Args:
+        a: operand A, (M, K) with blocks along K; outer scale () or (M,).
+        b: operand B, (N, K) with blocks along K; outer scale () or (N,).
+        bias: optional (N,) tensor, added in float32.
+        out_dtype: dtype of the returned (M, N) tensor.
+    Raises:
+        ValueError: if the K dimensions differ.
+    """
+    a_inner = dequantize_inner(a.qdata, a.scale, a_block)
+    b_inner = dequantize_inner(b.qdata, b.scale, b_block)
+    if a_inner.shape[-1] != b_inner.shape[-1]:
+        raise ValueError(f"K mismatch: A is {tuple(a_inner.shape)}, B is {tuple(b_inner.shape)}")
+    s_a = a.outer_scale[:, None] if a.outer_scale.dim() else a.outer_scale
+    s_b = b.outer_scale[None, :] if b.outer_scale.dim() else b.outer_scale
+    d = (s_a * s_b) * (a_inner @ b_inner.t())
+    if bias is not None:
+        d = d + bias.float()
+    return d.to(out_dtype)

@@ -1,0 +1,25 @@
+"""Test setup: without a GPU, run Triton kernels under the interpreter (set before kernels import)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def device():
+    """The device GPU tests run on; CPU tests do not use it."""
+    return torch.device("cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
