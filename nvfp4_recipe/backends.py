@@ -82,10 +82,22 @@ def _warn_once(msg: str) -> None:
         log.warning(msg)
 
 
+def _load(name: str) -> None:
+    """Import the module that registers backend ``name`` (Triton may be missing off Linux)."""
+    import importlib
+    module = {"triton": "triton_backend", "native": "native"}.get(name)
+    if module is not None and name not in _BACKENDS:
+        try:
+            importlib.import_module(f"{__package__}.{module}")
+        except ImportError as e:  # reported by _available as "not built"
+            log.debug("cannot import the %s backend: %s", name, e)
+
+
 def _available(name: str, device: torch.device) -> Optional[str]:
     """None if backend ``name`` can run on ``device``, else the reason it cannot."""
     if name == "reference":
         return None
+    _load(name)
     if name not in _BACKENDS:
         return f"the {name} backend is not built into this installation"
     if device.type != "cuda":
