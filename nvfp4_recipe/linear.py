@@ -37,7 +37,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
     """y = x @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, signs, seed, recipe: NVFP4Recipe, backend: Backend,
+    def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: Backend,
                 out_dtype: torch.dtype):
         x2 = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -58,13 +58,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
         ctx.recipe, ctx.backend, ctx.w_block = recipe, backend, w_spec.block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(*(wtq or (None,) * 3), *(xtq or (None,) * 3), signs, seed)
+        ctx.save_for_backward(*(wtq or (None,) * 3), *(xtq or (None,) * 3), signs, sr_seed, sr_step)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         saved = ctx.saved_tensors
-        wtq, xtq, (signs, seed) = NVFP4Data(*saved[0:3]), NVFP4Data(*saved[3:6]), saved[6:8]
+        wtq, xtq, (signs, sr_seed, sr_step) = NVFP4Data(*saved[0:3]), NVFP4Data(*saved[3:6]), saved[6:]
+        seed = sr_seed + (sr_step << 32)
+        sr_step.copy_(sr_step + 1)  # a mutation in backward: torch.compile and CUDA graphs keep it
         recipe, backend = ctx.recipe, ctx.backend
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -86,7 +88,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
                 dw = backend.scaled_mm(dytq, xtq, "1d", "1d", None, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class NVFP4Linear(nn.Linear):
@@ -99,8 +101,8 @@ class NVFP4Linear(nn.Linear):
     Buffers (saved in the state dict next to nn.Linear's keys):
         rht_signs: (16,) float32 +-1 signs of the RHT on the wgrad operands.
         sr_seed: int64 scalar, this layer's Philox key (low 32 bits).
-        sr_step: int64 scalar, advanced by every forward that records gradients; the SR stream of a
-            step is keyed by ``sr_seed + (sr_step << 32)``.
+        sr_step: int64 scalar, advanced by every backward; a backward's SR stream is keyed by
+            ``sr_seed + (sr_step << 32)`` with the value before the advance.
 
     Raises:
         ValueError: a feature count not a multiple of 16; a token count not a multiple of 16 in
@@ -143,14 +145,11 @@ class NVFP4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear expects input (..., {self.in_features}), got {tuple(x.shape)}")
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            self.sr_step.add_(1)
-        seed = self.sr_seed + (self.sr_step << 32)
         backend = get_backend(self.recipe.backend, self.weight.device)
         out_dtype = _out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.rht_signs, seed,
-                                        self.recipe, backend, out_dtype)
+            return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.rht_signs, self.sr_seed,
+                                        self.sr_step, self.recipe, backend, out_dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

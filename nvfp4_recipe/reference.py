@@ -103,9 +103,12 @@ def random_signs(generator: Optional[torch.Generator] = None) -> torch.Tensor:
 def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Random Hadamard transform on blocks of 16 along the last dimension.
 
-    ``y_block = x_block @ H16 @ diag(signs) / 4`` (orthogonal), computed as a fixed 4-stage fp32
-    butterfly (pair distance 1, 2, 4, 8; ``(a, b) -> (a + b, a - b)``) so that every backend gets the
-    same bits. Source: Tseng et al., QuIP# (2024), as used by NVIDIA's NVFP4 recipe (arXiv 2509.25149).
+    ``y_block = x_block @ diag(signs) @ H16 / 4`` (orthogonal): the signs flip the inputs, then a
+    fixed 4-stage fp32 butterfly (pair distance 1, 2, 4, 8; ``(a, b) -> (a + b, a - b)``) applies
+    H16, then the exact scaling by 1/4, so that every backend gets the same bits. The signs go
+    before H16 on purpose: signs applied after it would only flip output signs, which NVFP4
+    quantization (sign-symmetric) and the wgrad product (both operands flipped alike) cancel.
+    Source: Tseng et al., QuIP# (2024); NVIDIA's NVFP4 recipe (arXiv 2509.25149, section 4.2).
 
     Args:
         x: (..., K) float tensor, K a multiple of 16.
@@ -114,15 +117,14 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         float32 tensor of the shape of ``x``.
     """
     _check_last_dim(x)
-    y = x.float().reshape(-1, BLOCK)
+    y = (x.float().reshape(-1, BLOCK) * signs.to(device=x.device, dtype=torch.float32))
     h = 1
     while h < BLOCK:
         pairs = y.reshape(-1, BLOCK // (2 * h), 2, h)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
         y = torch.stack([a + b, a - b], dim=2).reshape(-1, BLOCK)
         h *= 2
-    y = y * signs.to(device=y.device, dtype=torch.float32) * 0.25
-    return y.reshape(x.shape)
+    return (y * 0.25).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------

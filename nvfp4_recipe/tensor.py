@@ -9,6 +9,7 @@ import logging
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.utils import TorchAOBaseTensor
 
@@ -136,20 +137,24 @@ class NVFP4Tensor(TorchAOBaseTensor):
 
     # ------------------------------------------------------------------ REPL
     def __repr__(self) -> str:
+        head = (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, device={self.device},\n"
+                f"  block={self.block} ({'16x16' if self.block == '2d' else '1x16'} E4M3 scales), "
+                f"scaling={self.scaling}, rounding={self.rounding}, rht={self.rht_signs is not None}"
+                f"{', transposed view' if self.transposed else ''}")
+        if torch.compiler.is_compiling() or isinstance(self.qdata, FakeTensor):
+            return head + ")"  # no values while tracing
+        return head + ",\n" + self._value_summary() + ")"
+
+    def _value_summary(self) -> str:
         s = self.scale.float()
         codes = torch.stack([self.qdata & 0x7, (self.qdata >> 4) & 0x7])
         zero = (codes == 0).float().mean().item()
         outer = self.outer_scale
         outer_txt = (f"{outer.item():.4g}" if outer.dim() == 0 else
                      f"per-token {tuple(outer.shape)} in [{outer.min().item():.4g}, {outer.max().item():.4g}]")
-        head = self._head_values()
-        return (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, device={self.device},\n"
-                f"  block={self.block} ({'16x16' if self.block == '2d' else '1x16'} E4M3 scales), "
-                f"scaling={self.scaling}, rounding={self.rounding}, rht={self.rht_signs is not None}"
-                f"{', transposed view' if self.transposed else ''},\n"
-                f"  outer_scale={outer_txt}, block_scale in [{s.min().item():.4g}, {s.max().item():.4g}], "
+        return (f"  outer_scale={outer_txt}, block_scale in [{s.min().item():.4g}, {s.max().item():.4g}], "
                 f"zero codes={100 * zero:.1f}%,\n"
-                f"  values[0, :8]={head})")
+                f"  values[{':8, 0' if self.transposed else '0, :8'}]={self._head_values()}")
 
     def _head_values(self) -> str:
         """The first few dequantized values of the first stored row (nothing else is dequantized)."""

@@ -1,0 +1,79 @@
+"""NVFP4Recipe: validation, and every flag changes exactly the numbers it claims to change."""
+
+import logging
+
+import pytest
+import torch
+
+from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
+from nvfp4_recipe.backends import get_backend
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(rht="yes"), "rht"),
+    (dict(rht_signs=(1, -1)), "rht_signs"),
+    (dict(rht_signs=(2,) * 16), "rht_signs"),
+    (dict(rht=False, rht_signs=(1,) * 16), "rht_signs"),
+    (dict(amax_estimation=(2.0,)), "amax_estimation"),
+    (dict(amax_estimation=(2.0, -1.0)), "amax_estimation"),
+    (dict(rht=False, amax_estimation=(2.0, 1.0)), "amax_estimation"),
+    (dict(scaling="per_channel"), "scaling"),
+    (dict(backend="cuda"), "backend"),
+    (dict(keep_first_last=-1), "keep_first_last"),
+    (dict(keep_bf16=(3,)), "keep_bf16"),
+    (dict(seed=-1), "seed"),
+    (dict(weight_2d=1), "weight_2d"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"NVFP4Recipe.{field}"):
+        NVFP4Recipe(**kwargs)
+
+
+def test_defaults_are_the_nvidia_recipe():
+    r = NVFP4Recipe()
+    assert (r.rht, r.stochastic_rounding, r.weight_2d, r.scaling, r.amax_estimation) == (
+        True, True, True, "per_tensor", None)
+    assert r.operand("w_fprop").block == "2d"
+    assert r.operand("dy_dgrad").rounding == "sr" and not r.operand("dy_dgrad").rht
+    assert r.operand("dy_wgrad").rht and r.operand("x_wgrad").rht
+    assert r.operand("x_wgrad").rounding == "rn" and r.operand("x_fprop").rounding == "rn"
+
+
+def run(recipe, seed=0):
+    """y, dx, dw of one NVFP4Linear step on fixed inputs."""
+    torch.manual_seed(seed)
+    layer = NVFP4Linear(64, 32, recipe=recipe)
+    x = torch.randn(64, 64, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.randn_like(y))
+    return y.detach(), x.grad, layer.weight.grad
+
+
+# flag -> which of (y, dx, dw) it must change
+FLAGS = {
+    "rht": (dict(rht=False), (False, False, True)),
+    "rht_signs": (dict(rht_signs=(1, -1) * 8), (False, False, True)),
+    "stochastic_rounding": (dict(stochastic_rounding=False), (False, True, True)),
+    "weight_2d": (dict(weight_2d=False), (True, True, False)),
+    "scaling": (dict(scaling="per_token"), (True, True, True)),
+    "amax_estimation": (dict(amax_estimation=(2.0, 1.0)), (False, False, True)),
+    "seed": (dict(seed=1), (False, True, True)),
+}
+
+
+@pytest.mark.parametrize("flag", list(FLAGS))
+def test_each_flag_changes_what_it_claims(flag):
+    kwargs, changes = FLAGS[flag]
+    base, other = run(NVFP4Recipe()), run(NVFP4Recipe(**kwargs))
+    for name, a, b, should_change in zip(("y", "dx", "dw"), base, other, changes):
+        assert (not torch.equal(a, b)) == should_change, f"{flag} {'did not change' if should_change else 'changed'} {name}"
+
+
+def test_backend_selection_and_errors(caplog):
+    assert get_backend("auto", torch.device("cpu")).name == "reference"
+    with pytest.raises(ValueError, match="backend 'native' cannot run here"):
+        get_backend("native", torch.device("cpu"))
+    with caplog.at_level(logging.WARNING):
+        layer = NVFP4Linear(32, 32, recipe=NVFP4Recipe(backend="native"))
+        with pytest.raises(ValueError, match="native"):
+            layer(torch.randn(16, 32))

@@ -1,0 +1,124 @@
+"""NVFP4Tensor: construction, the op table, repr, serialization and torch.compile."""
+
+import io
+
+import pytest
+import torch
+
+from nvfp4_recipe import NVFP4Tensor
+from nvfp4_recipe import reference as R
+
+
+def test_from_hp_fields_match_the_reference():
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    t = NVFP4Tensor.from_hp(x, scaling="per_token", rounding="sr", seed=5, offset=7)
+    d = R.quantize(x, scaling="per_token", rounding="sr", seed=5, offset=7)
+    assert t.shape == x.shape and t.dtype == torch.bfloat16
+    assert t.qdata.dtype == torch.uint8 and t.qdata.shape == (2, 32, 32)
+    assert t.scale.dtype == torch.float8_e4m3fn and t.scale.shape == (2, 32, 4)
+    assert t.outer_scale.shape == (2, 32)
+    assert torch.equal(t.qdata, d.qdata) and torch.equal(t.outer_scale, d.outer_scale)
+    assert torch.equal(t.dequantize(torch.float32), R.dequantize(d))
+
+
+def test_rht_tensor_keeps_its_signs():
+    x = torch.randn(16, 64)
+    t = NVFP4Tensor.from_hp(x, rht=True)
+    assert t.rht_signs is not None
+    assert torch.equal(t.dequantize(torch.float32), R.dequantize(R.quantize(x, rht_signs=t.rht_signs)))
+
+
+def test_mm_addmm_linear_matmul_bmm():
+    x, w, b = torch.randn(48, 64), torch.randn(32, 64), torch.randn(32)
+    xq, wq = NVFP4Tensor.from_hp(x), NVFP4Tensor.from_hp(w, block="2d")
+    expect = R.scaled_mm(xq.data_, wq.data_, b_block="2d")
+    assert torch.equal(torch.mm(xq, wq.t()), expect)
+    assert torch.equal(torch.addmm(b, xq, wq.t()), expect + b)
+    assert torch.equal(torch.nn.functional.linear(xq, wq, b), expect + b)
+    x3 = NVFP4Tensor.from_hp(x.reshape(3, 16, 64))
+    assert torch.equal(torch.matmul(x3, wq.t()), expect.reshape(3, 16, 32))
+    a, c = NVFP4Tensor.from_hp(torch.randn(2, 16, 64)), NVFP4Tensor.from_hp(torch.randn(2, 32, 64))
+    out = torch.bmm(a, c.transpose(1, 2))
+    for i in range(2):
+        ai = R.NVFP4Data(a.qdata[i], a.scale[i], a.outer_scale)
+        ci = R.NVFP4Data(c.qdata[i], c.scale[i], c.outer_scale)
+        assert torch.equal(out[i], R.scaled_mm(ai, ci))
+
+
+def test_mm_errors():
+    xq = NVFP4Tensor.from_hp(torch.randn(16, 64))
+    with pytest.raises(TypeError, match="NVFP4Tensor"):
+        torch.mm(xq, torch.randn(64, 16))
+    with pytest.raises(ValueError, match="wrong dimension"):
+        torch.mm(xq, NVFP4Tensor.from_hp(torch.randn(64, 32)))  # B (K, N) blocked along N
+    with pytest.raises(ValueError, match="RHT"):
+        torch.mm(xq, NVFP4Tensor.from_hp(torch.randn(16, 64), rht=True).t())
+
+
+def test_transpose_is_a_view_and_2d_transposes_exactly():
+    w = torch.randn(32, 48)
+    wq = NVFP4Tensor.from_hp(w, block="2d")
+    wt = wq.t()
+    assert wt.shape == (48, 32) and wt.qdata is wq.qdata
+    assert torch.equal(wt.dequantize(), wq.dequantize().t())
+    assert torch.equal(wq.transpose(0, 1).dequantize(), wt.dequantize())
+
+
+def test_reshape_slice_detach_clone_to():
+    x = torch.randn(4, 32, 64)
+    t = NVFP4Tensor.from_hp(x, scaling="per_token")
+    flat = t.reshape(128, 64)
+    assert torch.equal(flat.dequantize(), t.dequantize().reshape(128, 64))
+    assert torch.equal(flat[32:80].dequantize(), flat.dequantize()[32:80])
+    w = NVFP4Tensor.from_hp(torch.randn(64, 32), block="2d")
+    assert torch.equal(w[16:48].dequantize(), w.dequantize()[16:48])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        w[8:24]
+    for c in (t.detach(), t.clone()):
+        assert isinstance(c, NVFP4Tensor) and torch.equal(c.dequantize(), t.dequantize())
+    t32 = t.to(torch.float32)
+    assert isinstance(t32, NVFP4Tensor) and t32.dtype == torch.float32 and t32.qdata is not None
+    assert torch.equal(t32.dequantize(), t.dequantize(torch.float32))
+
+
+def test_copy_():
+    a = NVFP4Tensor.from_hp(torch.randn(16, 32))
+    b = NVFP4Tensor.from_hp(torch.randn(16, 32))
+    a.copy_(b)
+    assert torch.equal(a.dequantize(), b.dequantize())
+
+
+def test_unsupported_op_names_itself():
+    t = NVFP4Tensor.from_hp(torch.randn(16, 32))
+    with pytest.raises(NotImplementedError, match="sin"):
+        torch.sin(t)
+
+
+def test_repr_is_informative():
+    t = NVFP4Tensor.from_hp(torch.randn(64, 128), scaling="per_token")
+    text = repr(t)
+    for word in ("shape=(64, 128)", "bfloat16" if t.dtype == torch.bfloat16 else "float32",
+                 "1x16", "per_token", "rounding=rn", "outer_scale=per-token", "block_scale in",
+                 "zero codes=", "values[0, :8]="):
+        assert word in text
+
+
+def test_save_load_round_trip():
+    t = NVFP4Tensor.from_hp(torch.randn(32, 64), block="2d", rht=False)
+    buf = io.BytesIO()
+    torch.save({"t": t}, buf)
+    buf.seek(0)
+    u = torch.load(buf)["t"]
+    assert isinstance(u, NVFP4Tensor) and u.block == "2d"
+    assert torch.equal(u.qdata, t.qdata) and torch.equal(u.scale.view(torch.uint8), t.scale.view(torch.uint8))
+
+
+def test_compiles_fullgraph():
+    xq = NVFP4Tensor.from_hp(torch.randn(32, 64))
+    wq = NVFP4Tensor.from_hp(torch.randn(16, 64), block="2d")
+
+    def f(a, b):
+        return torch.nn.functional.linear(a, b) * 2
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(xq, wq)
+    assert torch.equal(out, f(xq, wq))
