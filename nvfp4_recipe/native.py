@@ -20,7 +20,7 @@ import torch
 
 from .backends import Backend, register_backend
 from .formats import BLOCK
-from .reference import NVFP4Data
+from .reference import NVFP4Data, apply_outer_scales
 
 log = logging.getLogger("nvfp4_recipe")
 _WARNED = set()  # fallback kinds already logged
@@ -79,12 +79,7 @@ def native_scaled_mm(a: NVFP4Data, b: NVFP4Data, a_block: str = "1d", b_block: s
     acc = torch._scaled_mm(a.qdata.view(fp4), b.qdata.view(fp4).t(),
                            swizzle_scales(a.scale, a_block), swizzle_scales(b.scale, b_block),
                            out_dtype=torch.float32)
-    s_a = a.outer_scale[:, None] if a.outer_scale.dim() else a.outer_scale
-    s_b = b.outer_scale[None, :] if b.outer_scale.dim() else b.outer_scale
-    d = (s_a * s_b) * acc
-    if bias is not None:
-        d = d + bias.float()
-    return d.to(out_dtype)
+    return apply_outer_scales(acc, a, b, bias, out_dtype)
 
 
 @register_backend

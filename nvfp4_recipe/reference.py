@@ -316,9 +316,19 @@ def scaled_mm(a: NVFP4Data, b: NVFP4Data, *, a_block: str = "1d", b_block: str =
     b_inner = dequantize_inner(b.qdata, b.scale, b_block)
     if a_inner.shape[-1] != b_inner.shape[-1]:
         raise ValueError(f"K mismatch: A is {tuple(a_inner.shape)}, B is {tuple(b_inner.shape)}")
+    return apply_outer_scales(a_inner @ b_inner.t(), a, b, bias, out_dtype)
+
+
+def apply_outer_scales(acc: torch.Tensor, a: NVFP4Data, b: NVFP4Data,
+                       bias: Optional[torch.Tensor] = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The GEMM epilogue: ``(s_a[:, None] * s_b[None, :]) * acc + bias`` in fp32, rounded once.
+
+    acc: the float32 (M, N) product of the inner (code x block scale) values.
+    """
     s_a = a.outer_scale[:, None] if a.outer_scale.dim() else a.outer_scale
     s_b = b.outer_scale[None, :] if b.outer_scale.dim() else b.outer_scale
-    d = (s_a * s_b) * (a_inner @ b_inner.t())
+    d = (s_a * s_b) * acc
     if bias is not None:
         d = d + bias.float()
     return d.to(out_dtype)
