@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .backends import Backend, get_backend
+from . import ops
+from .backends import get_backend
 from .formats import BLOCK
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .reference import NVFP4Data
@@ -37,7 +38,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
     """y = x @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: Backend,
+    def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype):
         x2 = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -47,14 +48,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
                              f"{BLOCK}, got {x2.shape[0]}")
         w_spec, x_spec = recipe.operand("w_fprop"), recipe.operand("x_fprop")
         if need_dx:
-            wq, wtq = backend.quantize_weight(weight, w_spec)
+            wq, wtq = ops.quantize_weight(weight, w_spec, backend)
         else:
-            wq, wtq = backend.quantize(weight, w_spec), None
+            wq, wtq = ops.quantize(weight, w_spec, sr_seed, 0, None, backend), None
         if need_dw:
-            xq, xtq = backend.quantize_pair(x2, x_spec, recipe.operand("x_wgrad"), rht_signs=signs)
+            xq, xtq = ops.quantize_pair(x2, x_spec, recipe.operand("x_wgrad"), sr_seed, 0, 0, signs,
+                                        backend)
         else:
-            xq, xtq = backend.quantize(x2, x_spec), None
-        y = backend.scaled_mm(xq, wq, "1d", w_spec.block, bias, out_dtype)
+            xq, xtq = ops.quantize(x2, x_spec, sr_seed, 0, None, backend), None
+        y = ops.scaled_mm(xq, wq, "1d", w_spec.block, bias, out_dtype, backend)
         ctx.recipe, ctx.backend, ctx.w_block = recipe, backend, w_spec.block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -71,21 +73,20 @@ class _NVFP4LinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
         row, col = recipe.operand("dy_dgrad"), recipe.operand("dy_wgrad")
-        offs = dict(seed=seed, rht_signs=signs)
         with torch.autocast(dy.device.type, enabled=False):
             if need_dx and need_dw:
-                dyq, dytq = backend.quantize_pair(dy2, row, col, row_offset=SR_OFFSETS["dy_dgrad"],
-                                                  col_offset=SR_OFFSETS["dy_wgrad"], **offs)
+                dyq, dytq = ops.quantize_pair(dy2, row, col, seed, SR_OFFSETS["dy_dgrad"],
+                                              SR_OFFSETS["dy_wgrad"], signs, backend)
             elif need_dx:
-                dyq = backend.quantize(dy2, row, seed, SR_OFFSETS["dy_dgrad"], signs)
+                dyq = ops.quantize(dy2, row, seed, SR_OFFSETS["dy_dgrad"], signs, backend)
             elif need_dw:
-                dytq = backend.quantize(dy2.t(), col, seed, SR_OFFSETS["dy_wgrad"], signs)
+                dytq = ops.quantize(dy2.t(), col, seed, SR_OFFSETS["dy_wgrad"], signs, backend)
             dx = dw = db = None
             if need_dx:
-                dx = backend.scaled_mm(dyq, wtq, "1d", ctx.w_block, None, ctx.x_dtype)
+                dx = ops.scaled_mm(dyq, wtq, "1d", ctx.w_block, None, ctx.x_dtype, backend)
                 dx = dx.reshape(ctx.x_shape)
             if need_dw:
-                dw = backend.scaled_mm(dytq, xtq, "1d", "1d", None, ctx.w_dtype)
+                dw = ops.scaled_mm(dytq, xtq, "1d", "1d", None, ctx.w_dtype, backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0)
         return dx, dw, db, None, None, None, None, None, None
@@ -145,7 +146,7 @@ class NVFP4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear expects input (..., {self.in_features}), got {tuple(x.shape)}")
-        backend = get_backend(self.recipe.backend, self.weight.device)
+        backend = get_backend(self.recipe.backend, self.weight.device).name
         out_dtype = _out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.rht_signs, self.sr_seed,

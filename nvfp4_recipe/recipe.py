@@ -32,6 +32,16 @@ class OperandSpec:
     rht: bool
     amax_scale: Optional[float]
 
+    def encode(self) -> str:
+        """A compact string form (custom ops take strings, not dataclasses); see :meth:`decode`."""
+        amax_scale = "" if self.amax_scale is None else repr(self.amax_scale)
+        return f"{self.block}|{self.scaling}|{self.rounding}|{int(self.rht)}|{amax_scale}"
+
+    @classmethod
+    def decode(cls, text: str) -> "OperandSpec":
+        block, scaling, rounding, rht, amax_scale = text.split("|")
+        return cls(block, scaling, rounding, rht == "1", float(amax_scale) if amax_scale else None)
+
 
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:

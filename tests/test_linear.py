@@ -134,11 +134,12 @@ def test_checkpoint_round_trips_between_nvfp4_and_plain_models():
     assert type(back[0]) is nn.Linear and torch.equal(back[0].weight, fp4[0].weight)
 
 
-def test_compile_fullgraph_forward_backward():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_forward_backward(backend):
     torch.manual_seed(0)
     model = quantize_(mlp(), NVFP4Recipe())
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     x = torch.randn(32, 32)
     compiled(x).square().sum().backward()
     ref(x).square().sum().backward()
