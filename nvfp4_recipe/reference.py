@@ -182,7 +182,10 @@ def amax(x: torch.Tensor, scaling: str) -> torch.Tensor:
 
 def outer_scale_from_amax(amax_: torch.Tensor) -> torch.Tensor:
     """s_outer = amax / (448 * 6) in float32 (spec item 1)."""
-    return amax_.float() / OUTER_DIVISOR
+    amax_ = amax_.float()
+    # A tensor divisor: PyTorch's CUDA kernels divide by a Python scalar as a multiplication by its
+    # reciprocal (not IEEE division, so CPU and GPU results would differ); a tensor gets true division.
+    return amax_ / torch.full_like(amax_, OUTER_DIVISOR)
 
 
 def _block_view(x: torch.Tensor, block: str) -> torch.Tensor:
@@ -204,7 +207,7 @@ def _unblock(v: torch.Tensor, shape, block: str) -> torch.Tensor:
 def block_scales(blocks: torch.Tensor, s_div: torch.Tensor) -> torch.Tensor:
     """E4M3 block scale of spec item 2: e4m3(clamp((block_amax / 6) / s_outer, 2**-6, 448))."""
     block_amax = blocks.abs().amax(dim=-1)
-    scaled = (block_amax / E2M1_MAX) / s_div
+    scaled = (block_amax / torch.full_like(block_amax, E2M1_MAX)) / s_div  # true division, see above
     return torch.clamp(scaled, min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 
