@@ -1,0 +1,300 @@
+"""The Triton quantization kernels (``triton`` backend) are bit-exact with the reference backend.
+
+CPU tests run the kernels under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+without a GPU) on small ragged shapes; ``cuda`` tests run them compiled on larger ones.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.backends import Backend, get_backend
+from nvfp4_recipe.formats import E2M1_GRID, e2m1_encode_rn
+from nvfp4_recipe.kernels import amax as A
+from nvfp4_recipe.kernels import common as C
+from nvfp4_recipe.recipe import NVFP4Recipe, OperandSpec
+
+REF = Backend()
+
+
+def triton_backend(device):
+    return get_backend("triton", torch.device(device))
+
+
+def rand(shape, dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random values over many magnitudes (per row and per element), with exact zeros,
+    a zero 16x16 tile and values that hit E2M1 grid points exactly."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x = x * torch.exp2(torch.randint(-12, 12, shape[:-1] + (1,), generator=g).float())
+    x = x * torch.exp2(torch.randint(-3, 4, shape, generator=g).float())
+    x[torch.rand(shape, generator=g) < 0.02] = 0.0
+    x[..., :16, 16:32] = 0.0
+    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0])
+    x.view(-1, 16)[3, :8] = grid  # a block whose values are exactly on the E2M1 grid
+    return x.to(dtype).to(device)
+
+
+def signs_for(seed=3):
+    return R.random_signs(torch.Generator().manual_seed(seed))
+
+
+def assert_same(out: R.NVFP4Data, ref: R.NVFP4Data):
+    """Bit-exact equality of two quantizations (a NaN outer scale equals a NaN)."""
+    assert out.qdata.dtype == torch.uint8 and out.scale.dtype == torch.float8_e4m3fn
+    assert out.outer_scale.dtype == torch.float32
+    assert out.qdata.shape == ref.qdata.shape and out.scale.shape == ref.scale.shape
+    assert out.outer_scale.shape == ref.outer_scale.shape
+    assert torch.equal(out.qdata, ref.qdata), (out.qdata != ref.qdata).nonzero()[:5]
+    assert torch.equal(out.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+    nan = ref.outer_scale.isnan()
+    assert torch.equal(out.outer_scale.isnan(), nan)
+    assert torch.equal(out.outer_scale[~nan], ref.outer_scale[~nan])
+
+
+def spec(block="1d", scaling="per_tensor", rounding="rn", rht=False, amax_scale=None):
+    return OperandSpec(block, scaling, rounding, rht, amax_scale)
+
+
+def idfn(v):
+    """Short test ids without spaces (GPU runs split tests by id)."""
+    if isinstance(v, OperandSpec):
+        return v.encode().replace("|", "-")
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, tuple):
+        return "x".join(map(str, v))
+    return str(v)
+
+
+# ------------------------------------------------------------------------------------- CPU
+@triton.jit
+def _round_kernel(v_ptr, r_ptr, out_ptr, n, SR: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + o, mask=o < n, other=0.0)
+    r = tl.load(r_ptr + o, mask=o < n, other=0).to(tl.uint32)
+    c, s = C.nibbles(v, r, False, tl.full([], 2, tl.uint32), SR, True)
+    tl.store(out_ptr + o, (c - (C.SR_OFFSET if SR else C.RN_OFFSET) + s * 8).to(tl.int32), mask=o < n)
+
+
+def rounding_cases(device="cpu"):
+    """Values for the E2M1 rounding helpers: many magnitudes, both signs and zeros, the grid, its
+    midpoints and their fp32 neighbours, values past 6, and SR fractions equal to the random
+    threshold r / 2**16 and one or two ulps either side (below 1 and above)."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    mags = [torch.exp2(torch.empty(n).uniform_(-40, 3, generator=g)),
+            torch.tensor(E2M1_GRID + (6.4, 6.49, 7.0, 1e30, 2.0**-140)),
+            torch.tensor([(a + b) / 2 for a, b in zip(E2M1_GRID, E2M1_GRID[1:])])]
+    r = torch.randint(0, 65536, (n,), generator=g)
+    for lo, hi in zip(E2M1_GRID, E2M1_GRID[1:] + (6.0,)):
+        t = torch.tensor(lo) + (r[:256].double() / 65536) * (hi - lo)
+        mags.append(t.float())
+    v = torch.cat(mags)
+    v = torch.cat([v, torch.nextafter(v, torch.tensor(0.0)), torch.nextafter(v, torch.tensor(8.0)),
+                   torch.nextafter(torch.nextafter(v, torch.tensor(8.0)), torch.tensor(8.0))])
+    v = torch.cat([v, -v, torch.tensor([0.0, -0.0])])
+    bits = torch.randint(0, 65536, v.shape, generator=g)
+    k = len(mags[0]) + len(mags[1]) + len(mags[2])
+    bits[k:k + 256 * 8] = r[:256].repeat(8)  # the thresholds hit exactly
+    bits[:16] = 0  # tiny values round up when r = 0
+    return v.to(device), bits.to(torch.int32).to(device)
+
+
+def check_rounding(device):
+    v, bits = rounding_cases(device)
+    for sr in (False, True):
+        out = torch.empty(v.shape, dtype=torch.int32, device=device)
+        _round_kernel[(triton.cdiv(v.numel(), 1024),)](v, bits, out, v.numel(), SR=sr, BLOCK=1024)
+        vc = v.clamp(-6, 6)
+        ref = R.round_sr(vc, bits.long()) if sr else e2m1_encode_rn(vc)
+        bad = (out != ref.int()).nonzero()[:5, 0]
+        assert bad.numel() == 0, (sr, v[bad], bits[bad], out[bad], ref[bad])
+
+
+def test_rounding_helpers():
+    check_rounding("cpu")
+
+
+QUANTIZE_CASES = [
+    # (spec, shape, dtype)
+    (spec(), (48, 80), torch.bfloat16),
+    (spec(scaling="per_token", rounding="sr"), (2, 24, 64), torch.bfloat16),
+    (spec(rounding="sr", rht=True), (40, 48), torch.float32),  # rowwise RHT, M not a multiple of 16
+    (spec(scaling="per_token", rht=True, amax_scale=1.37), (32, 48), torch.float16),
+    (spec(block="2d"), (48, 80), torch.bfloat16),
+    (spec(block="2d", rounding="sr", amax_scale=0.75), (32, 48), torch.float32),
+]
+
+
+@pytest.mark.parametrize("sp,shape,dtype", QUANTIZE_CASES, ids=idfn)
+def test_quantize_matches_reference(sp, shape, dtype):
+    x = rand(shape, dtype)
+    kw = dict(seed=11, offset=5, rht_signs=signs_for())
+    assert_same(triton_backend("cpu").quantize(x, sp, **kw), REF.quantize(x, sp, **kw))
+
+
+@pytest.mark.parametrize("sp", [spec(rounding="sr", rht=True), spec(scaling="per_token"),
+                                spec(block="2d")], ids=idfn)
+def test_quantize_transposed_view(sp):
+    """``quantize(x.t())`` (the columnwise copy) reads x through the columnwise path."""
+    x = rand((48, 64))
+    kw = dict(seed=torch.tensor(7), offset=torch.tensor(2**31 + 9), rht_signs=signs_for())
+    assert_same(triton_backend("cpu").quantize(x.t(), sp, **kw), REF.quantize(x.t(), sp, **kw))
+
+
+def _recipe_pairs():
+    r = NVFP4Recipe()
+    est = NVFP4Recipe(amax_estimation=(2.0, 1.0))
+    tok = NVFP4Recipe(scaling="per_token", stochastic_rounding=False)
+    return [("x", r.operand("x_fprop"), r.operand("x_wgrad")),
+            ("dy", r.operand("dy_dgrad"), r.operand("dy_wgrad")),
+            ("x_estimated", est.operand("x_fprop"), est.operand("x_wgrad")),
+            ("per_token_rht", tok.operand("dy_dgrad"), tok.operand("dy_wgrad"))]
+
+
+@pytest.mark.parametrize("name,row,col", _recipe_pairs(), ids=[p[0] for p in _recipe_pairs()])
+def test_quantize_pair_matches_reference(name, row, col):
+    x = rand((48, 80), seed=1)
+    kw = dict(seed=torch.tensor(123), row_offset=3, col_offset=2**31, rht_signs=signs_for())
+    out = triton_backend("cpu").quantize_pair(x, row, col, **kw)
+    ref = REF.quantize_pair(x, row, col, **kw)
+    assert_same(out[0], ref[0])
+    assert_same(out[1], ref[1])
+
+
+@pytest.mark.parametrize("block", ["1d", "2d"])
+def test_quantize_weight_matches_reference(block):
+    w = rand((32, 64), seed=2)
+    sp = spec(block=block)
+    out, ref = triton_backend("cpu").quantize_weight(w, sp), REF.quantize_weight(w, sp)
+    assert_same(out[0], ref[0])
+    assert_same(out[1], ref[1])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: Inf / NaN
+@pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr")], ids=idfn)
+def test_zero_tiny_and_huge(sp):
+    """All-zero rows (s_outer = 0), a tensor so small that 1 / s_outer / scale overflows (the
+    kernels' exact slow path), and one near the fp32 maximum."""
+    x = rand((32, 48), torch.float32)
+    x[5] = 0.0
+    for t in (torch.zeros(32, 48), x, x * 1e-37, x * 1e-31, x * 1e33):
+        kw = dict(seed=1, offset=0)
+        assert_same(triton_backend("cpu").quantize(t, sp, **kw), REF.quantize(t, sp, **kw))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_nonfinite_propagates():
+    """An Inf or a NaN makes the amax, the outer scale and the blocks non-finite as in the
+    reference. NaN sign bits are platform-defined (x86 and CUDA differ), so they are ignored."""
+    x = rand((32, 48), torch.float32)
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[3, 7] = bad
+        for sp in (spec(), spec(scaling="per_token", rounding="sr")):
+            out = triton_backend("cpu").quantize(y, sp, seed=4)
+            ref = REF.quantize(y, sp, seed=4)
+            assert torch.equal(out.outer_scale.isnan(), ref.outer_scale.isnan())
+            assert torch.equal(out.outer_scale.isinf(), ref.outer_scale.isinf())
+            s, rs = out.scale.view(torch.uint8), ref.scale.view(torch.uint8)
+            assert torch.equal(s & 0x7F, rs & 0x7F)
+            nan_blocks = (rs & 0x7F) == 0x7F
+            q, rq = out.qdata, ref.qdata
+            assert torch.equal(q[~nan_blocks.repeat_interleave(8, -1)],
+                               rq[~nan_blocks.repeat_interleave(8, -1)])
+            assert torch.equal(q & 0x77, rq & 0x77)  # magnitudes everywhere
+
+
+@pytest.mark.parametrize("rht", [False, True])
+def test_amax_kernel(rht):
+    x = rand((48, 64), seed=5)
+    signs = signs_for()
+    r, c = A.amax(x, A.PER_INDEX, A.PER_INDEX, rht, signs if rht else None)
+    xt = R.rht(x.t(), signs) if rht else x.t().float()
+    assert torch.equal(r, R.amax(x, "per_token"))
+    assert torch.equal(c, R.amax(xt, "per_token"))
+    r, c = A.amax(x, A.TENSOR, A.TENSOR, rht, signs if rht else None)
+    assert torch.equal(r, R.amax(x, "per_tensor")) and torch.equal(c, R.amax(xt, "per_tensor"))
+
+
+def test_rejects_bad_input():
+    be = triton_backend("cpu")
+    with pytest.raises(TypeError, match="int32"):
+        be.quantize(torch.ones(16, 16, dtype=torch.int32), spec())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        be.quantize(torch.ones(16, 24), spec())
+    with pytest.raises(ValueError, match="per_token"):
+        be.quantize(torch.ones(16, 16), spec(block="2d", scaling="per_token"))
+    with pytest.raises(TypeError, match="bfloat16"):
+        A.amax(torch.ones(16, 16, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.cuda
+def test_cuda_rounding_helpers(device):
+    check_rounding(device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(16400, 4112), (256, 4096)], ids=idfn)
+@pytest.mark.parametrize("name,row,col", _recipe_pairs(), ids=[p[0] for p in _recipe_pairs()])
+def test_cuda_pair(shape, name, row, col, device):
+    x = rand(shape, device=device, seed=6)
+    kw = dict(seed=torch.tensor(99, device=device), row_offset=17, col_offset=2**31 + 1,
+              rht_signs=signs_for().to(device))
+    out = triton_backend(device).quantize_pair(x, row, col, **kw)
+    ref = REF.quantize_pair(x, row, col, **kw)
+    assert_same(out[0], ref[0])
+    assert_same(out[1], ref[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sp,dtype", [(spec(), torch.float32), (spec(scaling="per_token", rounding="sr"), torch.bfloat16),
+                                      (spec(rounding="sr", rht=True, amax_scale=1.5), torch.float16),
+                                      (spec(block="2d"), torch.bfloat16)], ids=idfn)
+def test_cuda_quantize(sp, dtype, device):
+    x = rand((16400, 4112), dtype, device=device, seed=7)
+    kw = dict(seed=5, offset=1000, rht_signs=signs_for().to(device))
+    tb = triton_backend(device)
+    assert_same(tb.quantize(x, sp, **kw), REF.quantize(x, sp, **kw))
+    assert_same(tb.quantize(x.t(), sp, **kw), REF.quantize(x.t(), sp, **kw))
+
+
+@pytest.mark.cuda
+def test_cuda_weight_and_nonfinite(device):
+    w = rand((4112, 16400), device=device, seed=8)
+    for sp in (spec(block="2d"), spec()):
+        out, ref = triton_backend(device).quantize_weight(w, sp), REF.quantize_weight(w, sp)
+        assert_same(out[0], ref[0])
+        assert_same(out[1], ref[1])
+    w[100, 200] = float("inf")
+    w[3000, 5] = float("nan")
+    for sp in (spec(), spec(scaling="per_token")):  # CUDA NaNs are canonical: exact here
+        assert_same(triton_backend(device).quantize(w, sp), REF.quantize(w, sp))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_advances_offset(device):
+    """Seeds and offsets read from device tensors: a captured graph replays with new offsets."""
+    r = NVFP4Recipe()
+    row, col = r.operand("dy_dgrad"), r.operand("dy_wgrad")
+    x = rand((1024, 2048), device=device, seed=9)
+    seed = torch.tensor(42, device=device)
+    off = torch.tensor(0, device=device)
+    signs = signs_for().to(device)
+    tb = triton_backend(device)
+    tb.quantize_pair(x, row, col, seed, off, off + 2**31, signs)  # compile and autotune first
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out = tb.quantize_pair(x, row, col, seed, off, off, signs)
+    for step in (3, 10):
+        off.fill_(step * 2**20)
+        graph.replay()
+        ref = REF.quantize_pair(x, row, col, 42, step * 2**20, step * 2**20, signs)
+        assert_same(out[0], ref[0])
+        assert_same(out[1], ref[1])
