@@ -34,6 +34,13 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+@torch.compiler.assume_constant_result
+def _backend_name(name: str, device: torch.device) -> str:
+    """The backend that runs on ``device``, resolved in Python even under torch.compile (it may
+    import a backend module and log a fallback, neither of which belongs in a graph)."""
+    return get_backend(name, device).name
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     """y = x @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (see the module docstring)."""
 
@@ -146,7 +153,7 @@ class NVFP4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear expects input (..., {self.in_features}), got {tuple(x.shape)}")
-        backend = get_backend(self.recipe.backend, self.weight.device).name
+        backend = _backend_name(self.recipe.backend, self.weight.device)
         out_dtype = _out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.rht_signs, self.sr_seed,

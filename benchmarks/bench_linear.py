@@ -1,0 +1,138 @@
+"""NVFP4Linear forward+backward against bf16 nn.Linear on one GPU, with a time breakdown and memory.
+
+For each (tokens, in, out) shape and recipe: the fwd+bwd time of NVFP4Linear over the bf16 nn.Linear
+of the same run, the time of each piece (weight quantize, X quantize, dY quantize, fprop, dgrad,
+wgrad GEMMs) timed alone, the peak memory of a step and the bytes saved for backward (counted with
+saved-tensor hooks). Prints a table and writes JSON.
+
+    python benchmarks/bench_linear.py [--json out.json] [--shapes 16384x4096x4096 ...]
+"""
+
+import argparse
+import json
+
+import torch
+from torch import nn
+from triton.testing import do_bench
+
+from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
+from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.recipe import SR_OFFSETS
+
+RECIPES = {
+    "default": NVFP4Recipe(),
+    "per_token": NVFP4Recipe(scaling="per_token"),
+    "amax_est": NVFP4Recipe(amax_estimation=(2.0, 1.0)),
+}
+
+
+def bench(fn) -> float:
+    """Median milliseconds of ``fn`` (triton.testing.do_bench)."""
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def fwd_bwd(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    def step():
+        layer(x).backward(dy)
+    return step
+
+
+def saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for backward (parameters and buffers excluded)."""
+    params = {p.data_ptr() for p in layer.parameters()} | {b.data_ptr() for b in layer.buffers()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return total
+
+
+def peak_memory(step) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def breakdown(layer: NVFP4Linear, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Milliseconds of each piece of an NVFP4Linear step, timed alone."""
+    r, be = layer.recipe, get_backend(layer.recipe.backend, x.device)
+    w, signs, seed = layer.weight, layer.rht_signs, layer.sr_seed
+    spec = {role: r.operand(role) for role in ("x_fprop", "w_fprop", "dy_dgrad", "dy_wgrad", "x_wgrad")}
+    wq, wtq = be.quantize_weight(w, spec["w_fprop"])
+    xq, xtq = be.quantize_pair(x, spec["x_fprop"], spec["x_wgrad"], rht_signs=signs)
+    dyq, dytq = be.quantize_pair(dy, spec["dy_dgrad"], spec["dy_wgrad"], seed, SR_OFFSETS["dy_dgrad"],
+                                 SR_OFFSETS["dy_wgrad"], signs)
+    wb = spec["w_fprop"].block
+    return {
+        "quantize W (+W^T)": bench(lambda: be.quantize_weight(w, spec["w_fprop"])),
+        "quantize X (+X^T RHT)": bench(lambda: be.quantize_pair(x, spec["x_fprop"], spec["x_wgrad"],
+                                                                 rht_signs=signs)),
+        "quantize dY (+dY^T RHT)": bench(lambda: be.quantize_pair(
+            dy, spec["dy_dgrad"], spec["dy_wgrad"], seed, 0, 2**31, signs)),
+        "fprop GEMM": bench(lambda: be.scaled_mm(xq, wq, "1d", wb, layer.bias, torch.bfloat16)),
+        "dgrad GEMM": bench(lambda: be.scaled_mm(dyq, wtq, "1d", wb, None, torch.bfloat16)),
+        "wgrad GEMM": bench(lambda: be.scaled_mm(dytq, xtq, "1d", "1d", None, torch.float32)),
+    }
+
+
+def run_shape(m: int, k: int, n: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    out = {"shape": [m, k, n], "bf16": {"ms": bench(fwd_bwd(ref, x, dy)),
+                                        "peak_bytes": peak_memory(fwd_bwd(ref, x, dy)),
+                                        "saved_bytes": saved_bytes(ref, x)}}
+    for name, recipe in RECIPES.items():
+        layer = NVFP4Linear.from_linear(nn.Linear(k, n, device="cuda"), recipe)
+        step = fwd_bwd(layer, x, dy)
+        ms = bench(step)
+        out[name] = {"ms": ms, "ratio_to_bf16": ms / out["bf16"]["ms"],
+                     "peak_bytes": peak_memory(step), "saved_bytes": saved_bytes(layer, x),
+                     "breakdown_ms": breakdown(layer, x.detach(), dy)}
+    return out
+
+
+def table(results) -> str:
+    lines = ["| shape (M, K, N) | recipe | fwd+bwd ms | x bf16 time | peak MiB | saved for bwd MiB | saved vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        shape = "x".join(map(str, r["shape"]))
+        base = r["bf16"]
+        lines.append(f"| {shape} | bf16 nn.Linear | {base['ms']:.3f} | 1.00 | {base['peak_bytes'] / 2**20:.0f} | "
+                     f"{base['saved_bytes'] / 2**20:.1f} | 1.0x |")
+        for name in RECIPES:
+            v = r[name]
+            lines.append(f"| {shape} | NVFP4 {name} | {v['ms']:.3f} | {v['ratio_to_bf16']:.2f} | "
+                         f"{v['peak_bytes'] / 2**20:.0f} | {v['saved_bytes'] / 2**20:.1f} | "
+                         f"{base['saved_bytes'] / v['saved_bytes']:.1f}x smaller |")
+    lines += ["", "| shape | piece (default recipe) | ms |", "| --- | --- | --- |"]
+    for r in results:
+        for piece, ms in r["default"]["breakdown_ms"].items():
+            lines.append(f"| {'x'.join(map(str, r['shape']))} | {piece} | {ms:.3f} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["16384x4096x4096", "16384x4096x14336"])
+    p.add_argument("--json", default="bench_linear.json")
+    args = p.parse_args()
+    results = [run_shape(*map(int, s.split("x"))) for s in args.shapes]
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "results": results}, f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
