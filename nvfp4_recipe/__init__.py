@@ -5,11 +5,17 @@ layers for :class:`NVFP4Linear`), :class:`NVFP4Tensor` (the quantized tensor sub
 inspection helpers :func:`summary` and :func:`tensor_stats`.
 """
 
-from .api import dequantize_, quantize_
-from .inspect import summary, tensor_stats
-from .linear import NVFP4Linear
-from .recipe import NVFP4Recipe
-from .tensor import NVFP4Tensor
+import os
+
+# We use torchao's Python layers only (AOBaseConfig, TorchAOBaseTensor, quantize_); its compiled
+# extensions are built for other torch versions and print load failures on import.
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+from .api import dequantize_, quantize_  # noqa: E402
+from .inspect import summary, tensor_stats  # noqa: E402
+from .linear import NVFP4Linear  # noqa: E402
+from .recipe import NVFP4Recipe  # noqa: E402
+from .tensor import NVFP4Tensor  # noqa: E402
 
 __all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "quantize_", "dequantize_", "summary",
            "tensor_stats"]

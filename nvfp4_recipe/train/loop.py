@@ -1,0 +1,213 @@
+"""One training run: build the model, apply a recipe, train with AdamW, evaluate on held-out files."""
+
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import Batches
+from .model import ModelConfig, TinyLM, count_params
+from .recipes import apply_recipe, quantized_fraction
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on besides the data and the recipe (units in the field comments).
+
+    The defaults are the ``cpu`` preset of ``nvfp4-recipe train``.
+    """
+
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 512
+    seq_len: int = 128
+    batch_size: int = 16          # sequences per step; tokens per step = batch_size * seq_len
+    steps: int = 250
+    lr: float = 3e-3              # peak AdamW learning rate
+    min_lr_ratio: float = 0.1     # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 25        # linear warm-up
+    weight_decay: float = 0.1     # on matrices (dim >= 2) only
+    grad_clip: float = 1.0        # max global gradient norm
+    eval_every: int = 50          # steps between validation passes (and one at step 0 and the end)
+    eval_tokens: int = 16384      # validation tokens per pass
+    seed: int = 0
+    backend: str = "auto"         # NVFP4Recipe.backend
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self.d_model, self.n_layers, self.n_heads, self.d_ff, self.seq_len)
+
+    def validate(self) -> None:
+        """Raises ValueError, naming the command-line option, for an invalid value."""
+        self.model_config().validate()
+        for name in ("batch_size", "steps", "eval_every", "eval_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ValueError(f"need --lr > 0, 0 <= --min-lr-ratio <= 1 and --warmup-steps >= 0, got "
+                             f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+
+
+@dataclass
+class RunResult:
+    """What one recipe's run produced. Losses are mean cross-entropy in nats per byte."""
+
+    recipe: str
+    status: str                     # "ok" or why the run stopped early
+    steps: int                      # optimizer steps done
+    params: int
+    quantized: str                  # e.g. "8/9 linears in NVFP4"
+    train_loss: float               # mean over the last tenth of the steps
+    val_loss: float                 # on the validation windows after the last step
+    tokens_per_s: float             # training steps only, after the first few (JIT warm-up)
+    peak_memory_bytes: Optional[int]  # CUDA peak allocated; None on CPU
+    wall_s: float
+    train_curve: List[float] = field(default_factory=list)             # loss of every step
+    val_curve: List[List[float]] = field(default_factory=list)  # [step, val loss], from step 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Learning-rate multiplier of step s: linear warm-up, then cosine decay to min_lr_ratio."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices only, and its warm-up/cosine schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
+def autocast_context(device: torch.device, dtype: Optional[torch.dtype]):
+    """torch.autocast to ``dtype`` on ``device``, or no autocast when ``dtype`` is None."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats, fp32 scalar) of int64 inputs/targets (B, T)."""
+    logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, batches: Batches, cfg: TrainConfig, device, dtype) -> float:
+    """Mean cross-entropy in nats over the fixed validation windows (about cfg.eval_tokens tokens)."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), device=device), 0
+    with autocast_context(device, dtype):
+        for x, y in batches.val_batches(cfg.eval_tokens, device):
+            total += lm_loss(model, x, y) * y.numel()
+            count += y.numel()
+    model.train(was_training)
+    return (total / count).item()
+
+
+def build_model(cfg: TrainConfig, recipe: str, device: torch.device) -> torch.nn.Module:
+    """The model for ``recipe``: initialized from ``cfg.seed`` on the CPU (the same weights on every
+    device and for every recipe), moved to ``device``, then ``quantize_``-d as the recipe says."""
+    torch.manual_seed(cfg.seed)
+    model = TinyLM(cfg.model_config()).to(device)
+    return apply_recipe(model, recipe, cfg.seed, cfg.backend)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model, opt, sched, batches: Batches, cfg: TrainConfig, device, dtype) -> torch.Tensor:
+    """One optimizer step on the next training batch; returns the loss (fp32 scalar, on device)."""
+    x, y = batches.train_batch(device)
+    with autocast_context(device, dtype):
+        loss = lm_loss(model, x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return loss.detach()
+
+
+def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.device,
+              dtype: Optional[torch.dtype], progress: bool = True) -> RunResult:
+    """Train one recipe for ``cfg.steps`` steps and evaluate it.
+
+    Args:
+        recipe: a name in :data:`recipes.RECIPES`.
+        batches: the data; its generator is re-seeded here so that every recipe sees the same order.
+        device: where to train.
+        dtype: autocast dtype (torch.bfloat16) or None for the default dtype (float32).
+        progress: show a tqdm bar on stderr.
+    Returns:
+        :class:`RunResult`; a non-finite training loss stops the run early with status saying so.
+    Raises:
+        KeyboardInterrupt: passed on, after closing the progress bar.
+    """
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    batches.generator.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(cfg, recipe, device)
+    opt, sched = make_optimizer(model, cfg)
+    warm = min(10, cfg.steps // 5)  # steps left out of the throughput (JIT compilation, warm-up)
+    losses, val_curve, status = [], [], "ok"
+    t_warm = 0.0  # start of the timed steps, moved later by the time spent evaluating
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=cfg.steps, desc=f"{recipe:>16}", unit="step", disable=not progress,
+               mininterval=0.5 if interactive else 15, file=sys.stderr, dynamic_ncols=True)
+    try:
+        val_curve.append([0, evaluate(model, batches, cfg, device, dtype)])
+        for step in range(cfg.steps):
+            if step == warm:
+                _sync(device)
+                t_warm = time.perf_counter()
+            losses.append(train_step(model, opt, sched, batches, cfg, device, dtype))
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
+                last = losses[-1].item()
+                if not math.isfinite(last):
+                    status = f"non-finite training loss at step {step}"
+                    break
+                postfix = {"loss": f"{last:.3f}"}
+                if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                    _sync(device)
+                    t_eval = time.perf_counter()
+                    val_curve.append([step + 1, evaluate(model, batches, cfg, device, dtype)])
+                    t_warm += time.perf_counter() - t_eval  # keep evaluation out of the throughput
+                    postfix["val"] = f"{val_curve[-1][1]:.3f}"
+                bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+        _sync(device)
+    finally:
+        bar.close()
+    curve = torch.stack(losses).float().cpu().tolist() if losses else []
+    steps_done = len(curve)
+    timed_steps = steps_done - warm
+    elapsed = time.perf_counter() - t_warm if steps_done > warm else float("nan")
+    tail = curve[-max(1, steps_done // 10):]
+    return RunResult(
+        recipe=recipe, status=status, steps=steps_done, params=count_params(model),
+        quantized=quantized_fraction(model),
+        train_loss=sum(tail) / len(tail) if tail else float("nan"),
+        val_loss=val_curve[-1][1] if status == "ok" and val_curve else float("nan"),
+        tokens_per_s=(timed_steps * cfg.batch_size * cfg.seq_len / elapsed if timed_steps > 0
+                      else float("nan")),
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        wall_s=time.perf_counter() - start, train_curve=curve, val_curve=val_curve)

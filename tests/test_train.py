@@ -1,0 +1,135 @@
+"""The main job, ``nvfp4-recipe train``: it learns on real data, and bad arguments fail clearly."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nvfp4_recipe import cli
+from nvfp4_recipe.train import data as D
+from nvfp4_recipe.train.loop import RunResult
+from nvfp4_recipe.train.recipes import RECIPES
+
+LN_256 = math.log(256)
+
+
+def _has_matplotlib() -> bool:
+    """The plot needs the optional matplotlib (the [plot] extra); without it the run skips the PNG."""
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _nvfp4_available() -> bool:
+    import nvfp4_recipe
+    return hasattr(nvfp4_recipe, "quantize_")
+
+
+def _train(tmp_path, *extra):
+    """Run ``nvfp4-recipe train --preset tiny`` in-process; returns (exit status, results dict)."""
+    out = tmp_path / "out"
+    status = cli.main(["train", "--preset", "tiny", "--no-progress", "--out", str(out), *extra])
+    path = out / "results.json"
+    return status, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_tiny_training_learns_on_real_text(tmp_path, capsys):
+    recipes = ["bf16", "nvfp4"] if _nvfp4_available() else ["bf16"]
+    status, results = _train(tmp_path, "--recipes", *recipes)
+    assert status == 0
+    assert results["command"].startswith("nvfp4-recipe train --preset tiny")
+    assert results["data"]["files"] > 10 and results["data"]["val_files"] >= 1
+    assert [r["recipe"] for r in results["runs"]] == recipes
+    for run in results["runs"]:
+        assert run["status"] == "ok"
+        steps, losses = zip(*run["val_curve"])
+        assert steps[0] == 0 and steps[-1] == run["steps"] == results["config"]["steps"]
+        # The untrained model is near uniform over bytes; training must take it well below.
+        assert abs(losses[0] - LN_256) < 0.2
+        assert losses[-1] < losses[0] - 1.0, losses
+        assert run["val_loss"] == losses[-1]
+    assert (tmp_path / "out" / "loss_curves.png").exists() == _has_matplotlib()
+    table = capsys.readouterr().out
+    assert "| recipe" in table and "gap to bf16" in table
+
+
+def test_help_lists_every_recipe_and_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for name in RECIPES:
+        assert name in text
+    for option in ("--recipes", "--preset", "--data", "--steps", "--d-model", "--device", "--out",
+                   "--precision", "--backend", "--seed"):
+        assert option in text
+
+
+def test_module_entry_point_help():
+    proc = subprocess.run([sys.executable, "-m", "nvfp4_recipe", "--help"], capture_output=True,
+                          text=True, env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
+    assert proc.returncode == 0
+    assert "train" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipes", "bf16", "nvfp4-typo"],
+     "nvfp4-recipe train: error: unknown recipe 'nvfp4-typo'; choose from " + ", ".join(RECIPES)),
+    (["--data", "/no/such/dir"], "nvfp4-recipe train: error: data directory not found: /no/such/dir"),
+    (["--d-model", "100"], "nvfp4-recipe train: error: --d-model must be a positive multiple of 16 "
+                           "(NVFP4 blocks are 16 wide), got 100"),
+    (["--no-stdlib"], "nvfp4-recipe train: error: --no-stdlib needs --data DIR"),
+])
+def test_bad_arguments_fail_with_one_line(tmp_path, capsys, args, message):
+    status, results = _train(tmp_path, *args)
+    assert status == cli.EXIT_USAGE
+    assert capsys.readouterr().err == message + "\n"
+    assert results is None
+
+
+def _fake_run(recipe, cfg, batches, device, dtype, progress=True):
+    """Stands in for loop.train_run: bf16 'finishes' at once, any other recipe is interrupted."""
+    if recipe != "bf16":
+        raise KeyboardInterrupt
+    return RunResult(recipe, "ok", steps=2, params=1, quantized="0/1", train_loss=3.0, val_loss=3.5,
+                     tokens_per_s=1.0, peak_memory_bytes=None, wall_s=0.1, train_curve=[4.0, 3.0],
+                     val_curve=[[0, 5.5], [2, 3.5]])
+
+
+def test_without_matplotlib_the_run_writes_json_and_says_why_no_plot(tmp_path, monkeypatch, capsys):
+    from nvfp4_recipe.train import loop
+    monkeypatch.setattr(loop, "train_run", _fake_run)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    status, results = _train(tmp_path, "--recipes", "bf16")
+    assert status == 0 and [r["recipe"] for r in results["runs"]] == ["bf16"]
+    assert not (tmp_path / "out" / "loss_curves.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_interrupt_keeps_finished_runs(tmp_path, monkeypatch):
+    from nvfp4_recipe.train import loop
+    monkeypatch.setattr(loop, "train_run", _fake_run)
+    status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4-no-sr")
+    assert status == cli.EXIT_INTERRUPTED
+    assert [r["recipe"] for r in results["runs"]] == ["bf16"]
+    assert "nvfp4-no-sr" in results["interrupted"]
+    assert (tmp_path / "out" / "loss_curves.png").exists() == _has_matplotlib()
+
+
+def test_split_by_file_is_deterministic_and_disjoint(tmp_path):
+    files = []
+    for i in range(40):
+        path = tmp_path / f"m{i}.py"
+        path.write_bytes(b"x = %d\n" % i * (i + 1))
+        files.append((str(path), path.stat().st_size))
+    train, val = D.split_files(files, 0.1, seed=3)
+    assert (train, val) == D.split_files(list(reversed(files)), 0.1, seed=3)
+    assert val != D.split_files(files, 0.1, seed=4)[1]
+    assert not set(train) & set(val) and len(train) + len(val) == len(files)
+    sizes = dict(files)
+    assert sum(sizes[p] for p in val) >= 0.1 * sum(sizes.values())
+    corpus = D.load_corpus([str(tmp_path)], use_stdlib=False, val_fraction=0.1, seed=3)
+    assert corpus.train_files == len(train) and corpus.val_files == len(val)
+    assert corpus.train.numel() == sum(sizes[p] + 1 for p in train)  # + one separator per file
