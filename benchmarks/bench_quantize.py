@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_gbps, environment, gbps, markdown_table, median_ms, write_json  # noqa: E402
 from nvfp4_recipe import reference as R  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
+from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
 from nvfp4_recipe.kernels.quantize import CopySpec, amax_pass, quantize_1d, quantize_2d  # noqa: E402
 
 SHAPES = [(16384, 4096), (16384, 14336)]
@@ -138,8 +139,12 @@ def main():
                 print(f"{name}: {type(e).__name__}: {e}")
                 continue
             bw = gbps(nbytes, ms)
+            kern = (Q._quantize_2d_kernel if "2D" in name else Q._quantize_1d_kernel
+                    if "pair" in name or "X^T" in name else Q._quantize_1d_loop_kernel)
+            cfg = getattr(kern, "best_config", None) if kind in ("quantize", "total") else None
             rows.append({"shape": f"{m}x{k}", "kernel": name, "kind": kind, "us": ms * 1e3,
-                         "GB/s": bw, "% of copy": 100 * bw / copy, "bytes": nbytes})
+                         "GB/s": bw, "% of copy": 100 * bw / copy, "bytes": nbytes,
+                         "config": str(cfg) if cfg is not None else ""})
         del x
         torch.cuda.empty_cache()
 
@@ -147,7 +152,7 @@ def main():
     if args.json:
         write_json(args.json, payload)
     print(f"\ndevice-to-device copy: {copy:.0f} GB/s (bytes read + written)")
-    print(markdown_table(rows, ["shape", "kernel", "us", "GB/s", "% of copy"]))
+    print(markdown_table(rows, ["shape", "kernel", "us", "GB/s", "% of copy", "config"]))
 
 
 if __name__ == "__main__":

@@ -136,6 +136,15 @@ def test_quantize_matches_reference(sp, shape, dtype):
     assert_same(triton_backend("cpu").quantize(x, sp, **kw), REF.quantize(x, sp, **kw))
 
 
+@pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr")], ids=idfn)
+def test_quantize_rowwise_loop_tail(sp):
+    """Rowwise-only calls run the prefetch-loop kernel: several tiles per program, a program whose
+    last tiles are partly or wholly past K, and M not a multiple of the tile height."""
+    x = rand((40, 208), torch.bfloat16, seed=5)
+    kw = dict(seed=3, offset=2**32 - 100, rht_signs=signs_for())  # the Philox counter wraps
+    assert_same(triton_backend("cpu").quantize(x, sp, **kw), REF.quantize(x, sp, **kw))
+
+
 @pytest.mark.parametrize("sp", [spec(rounding="sr", rht=True), spec(scaling="per_token"),
                                 spec(block="2d")], ids=idfn)
 def test_quantize_transposed_view(sp):

@@ -6,7 +6,11 @@ single rounding is the one wanted (the interpreter truncates fp32 -> fp8 casts),
 ``div_rn`` (Triton's fp32 ``/`` is approximate on the GPU), and the stochastic-rounding bits come
 from Philox-4x32-10 with a uint32 counter, as ``tl.randint4x``.
 
-Tile form: each thread owns whole 16 x 16 tiles of the matrix. ``load_rows`` gives them as 16
+Tile forms. The quantize kernels use block tiles (``load_row_blocks``, ``load_col_blocks``): a
+(rows, blocks, 16) or (columns, blocks, 16) tensor per program with each block's 16 elements in
+one thread's registers; the block helpers below (``quantize_block``, ``rht16``, ``pack16``, ...)
+work on any (A, B, 16) tensor. The amax kernel (``amax.py``) still uses the older form, in which
+each thread owns whole 16 x 16 tiles of the matrix. ``load_rows`` gives them as 16
 row blocks, R[j] = (BB, BC, 16) tensors with R[j][b, c, i] = x[16b + j, 16c + i], whose last axis
 lives in the thread's registers (two 16-byte loads joined with ``tl.join``, which appends an
 in-register axis); ``transpose16`` turns them into the 16 column blocks C[i][b, c, j] by joining
@@ -373,3 +377,37 @@ def load_rows(x_ptr, b, c, n_rows, n_cols, stride_r, stride_c):
         row = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [b, c, i // 8, i % 8]
         rows = rows + (tl.reshape(row, (row.shape[0], row.shape[1], 16)),)
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Block tiles (one 16-element block per thread and register axis; Triton picks the thread layout)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def load_row_blocks(x_ptr, r, c, n_rows, n_cols, stride_r, stride_c, valid=True):
+    """Row blocks of a 2D tile: T[a, b, i] = x[r[a], 16 c[b] + i] as a (len(r), len(c), 16) tensor
+    in the matrix dtype (zeros outside the matrix), the last axis in a thread's registers (two
+    runs of 8, i.e. 16-byte loads for 2-byte dtypes, joined with ``tl.join``). ``valid`` (scalar)
+    masks the whole load (a prefetch past the program's last tile)."""
+    cols = c[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    rr = r[:, None, None]
+    ptr = x_ptr + rr * stride_r + cols * stride_c
+    ok = (rr < n_rows) & valid
+    lo = tl.load(ptr, mask=ok & (cols < n_cols), other=0.0)
+    hi = tl.load(ptr + 8 * stride_c, mask=ok & (cols + 8 < n_cols), other=0.0)
+    t = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [a, b, i // 8, i % 8]
+    return tl.reshape(t, (t.shape[0], t.shape[1], 16))
+
+
+@triton.jit
+def load_col_blocks(x_ptr, k, b, n_rows, n_cols, stride_r, stride_c, valid=True):
+    """Column blocks of a 2D tile: T[a, d, j] = x[16 b[d] + j, k[a]] as a (len(k), len(b), 16)
+    tensor in the matrix dtype (zeros outside), the last axis in registers: 16 loads of
+    (len(k), len(b)) whose lanes run along the matrix rows' contiguous axis (coalesced; in a
+    pair kernel they hit the lines the rowwise loads just brought in)."""
+    t = ()
+    kk = k[:, None]
+    ok = (kk < n_cols) & valid
+    for j in tl.static_range(16):
+        r = b[None, :] * 16 + j
+        t = t + (tl.load(x_ptr + r * stride_r + kk * stride_c, mask=(r < n_rows) & ok, other=0.0),)
+    return join16(t)

@@ -9,13 +9,15 @@ scales need the amax first, so a call is an amax pass (``amax.amax``, one read c
 then the quantize pass. Seeds and SR offsets may be device scalars (CUDA-graph friendly); nothing
 here synchronises with the host.
 
-Each thread owns whole 16 x 16 tiles (``common.load_rows``): the rowwise blocks are its 16 row
-blocks, the columnwise blocks its 16 column blocks (``common.transpose16``, register renaming), so
-a block's 16 elements always sit in one thread (no shared memory, no layout conversion).
-
-Performance note (docs/benchmarks.md): the fully unrolled per-thread tile makes large kernels
-(12k-16k SASS instructions for the pairs) that run far below the copy bandwidth; the numbers, not
-the structure, are what a rewrite should keep.
+A program works on a 2D tile of x with Triton block operations: its rowwise blocks are a
+(rows, blocks, 16) tensor (``common.load_row_blocks``: two 16-byte loads per block joined in
+registers), its columnwise blocks a (columns, blocks, 16) tensor read separately with lanes along
+the contiguous axis (``common.load_col_blocks``: the second read of each line hits L1/L2), so a
+block's 16 elements sit in one thread for the amax, the RHT butterfly, the rounding and the nibble
+packing; Triton picks the lanes and converts layouts before the stores. Calls with a columnwise
+copy use ``_quantize_1d_kernel`` (one tile per program); rowwise-only calls use
+``_quantize_1d_loop_kernel`` (T tiles per program along K, the next tile loaded while the current
+one is quantized), which measured faster for them and slower for the pairs (docs/benchmarks.md).
 """
 
 import os
@@ -26,9 +28,9 @@ import triton
 import triton.language as tl
 
 from . import amax as A
-from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, finish_half,
-                     finish_words, load_rows, nibbles, outer_scale, pack16, quantize_block, rht16,
-                     scalar_arg, split16, to_f32_again, transpose16)
+from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
+                     load_col_blocks, load_row_blocks, outer_scale, quantize_block, rht16,
+                     scalar_arg)
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -61,15 +63,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs():
-    """Autotuning space: (BB, BC) = tiles of 16 x 16 per program along M and K (one per thread)."""
+def _configs(loop: bool = False):
+    """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
+    per program along K (the 1D kernel's prefetch loop)."""
     if _interpreting():
-        return [triton.Config({"BB": 2, "BC": 2}, num_warps=1)]
-    # One-warp programs with the lanes 4 (rows) x 8 (columns): loads, rowwise stores and
-    # columnwise stores all keep the register layout (no shared-memory conversion), and each
-    # columnwise store writes whole 32-byte sectors (4 consecutive row blocks of 8 columns).
-    configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw)
-               for bb, bc, nw in ((4, 8, 1), (8, 4, 1), (1, 128, 4))]
+        return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
+    if loop:
+        space = ((1, 8, 4, 8, None), (2, 8, 4, 4, None), (1, 16, 4, 4, None), (2, 8, 8, 4, None),
+                 (1, 8, 2, 8, None), (1, 8, 4, 8, 128))
+        configs = [triton.Config({"BB": bb, "BC": bc, "T": t}, num_warps=nw, maxnreg=r)
+                   for bb, bc, nw, t, r in space]
+    else:
+        configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw)
+                   for bb, bc, nw in ((4, 8, 4), (4, 8, 8), (2, 8, 4), (8, 8, 8))]
     return configs[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else configs
 
 
@@ -125,39 +131,100 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
                         COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
                         SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
+    """The kernel of calls with a columnwise copy. One (16 BB, 16 BC) tile of x per program.
+    Rowwise: the tile's (16 BB, BC, 16) row blocks;
+    columnwise: its (16 BC, BB, 16) column blocks, read again right after (L1/L2 hits)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
-    b = pid_b * BB + tl.arange(0, BB)
-    c = pid_c * BC + tl.arange(0, BC)
-    rows = load_rows(x_ptr, b, c, M, K, stride_m, stride_k)  # rows[j][b, c, i] = x[16b + j, 16c + i]
     seed = scalar_arg(seed_arg, SEED_PTR)
     first = (pid_b == 0) & (pid_c == 0)
-    if ROW:  # operand x (M, K): rows m = 16b + j, block columns c
+    if ROW:  # operand x (M, K): rows m, block columns c
+        m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
+        c = pid_c * BC + tl.arange(0, BC)
+        y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k).to(tl.float32)
         offset = scalar_arg(roff_arg, ROFF_PTR)
-        if not ROW_PER_TOKEN:
+        if ROW_PER_TOKEN:
+            s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, m[:, None], M, r_mult, True, ROW_MULT, pid_c == 0)
+        else:
             s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, 0, 1, r_mult, False, ROW_MULT, first)
-        for j in tl.static_range(16):
-            m = (b * 16 + j)[:, None]
-            if ROW_PER_TOKEN:
-                s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, m, M, r_mult, True, ROW_MULT, pid_c == 0)
-            _quantize_store(rows[j].to(tl.float32), m, c[None, :], M, K, rq_ptr, rs_ptr, s_div,
-                            inv_div, huge, seed, offset, mul16, ROW_SR, ROW_MULT)
-    if COL:  # operand x^T (K, M): rows k = 16c + i, block columns b
+        _quantize_store(y, m[:, None], c[None, :], M, K, rq_ptr, rs_ptr, s_div, inv_div, huge,
+                        seed, offset, mul16, ROW_SR, ROW_MULT)
+    if COL:  # operand x^T (K, M): rows k, block columns b
+        k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
+        b = pid_b * BB + tl.arange(0, BB)
+        y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k).to(tl.float32)
         offset = scalar_arg(coff_arg, COFF_PTR)
-        cols = transpose16(rows)  # cols[i][b, c, j] = x[16b + j, 16c + i]
-        if not COL_PER_TOKEN:
+        if COL_PER_TOKEN:
+            s_div, inv_div, huge = _scales(camax_ptr, co_ptr, k[:, None], K, c_mult, True, COL_MULT, pid_b == 0)
+        else:
             s_div, inv_div, huge = _scales(camax_ptr, co_ptr, 0, 1, c_mult, False, COL_MULT, first)
         if COL_RHT:
+            y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
+        _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, s_div, inv_div, huge,
+                        seed, offset, mul16, COL_SR, COL_MULT)
+
+
+@triton.autotune(configs=_configs(loop=True),
+                 key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "COL", "COL_RHT",
+                      "COL_SR", "COL_PER_TOKEN", "COL_MULT"])
+@triton.jit
+def _quantize_1d_loop_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
+                             rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
+                             cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
+                             ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
+                             ROW_MULT: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
+                             COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
+                             SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
+                             BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
+    """The rowwise-only kernel (used when no columnwise copy is asked; it takes columnwise copies
+    too, but measured slower for the pairs than :func:`_quantize_1d_kernel`, 2026-11-20).
+    T tiles of (16 BB, 16 BC) elements of x per program, along K, in a loop that loads the
+    next tile while it quantizes the current one (register double buffering: the loads of a
+    warp overlap its arithmetic). Rowwise: a tile's (16 BB, BC, 16) row blocks; columnwise: its
+    (16 BC, BB, 16) column blocks, read separately (the second read of each line hits L1/L2)."""
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    seed = scalar_arg(seed_arg, SEED_PTR)
+    first = (pid_b == 0) & (pid_c == 0)
+    m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)  # rows of x
+    b = pid_b * BB + tl.arange(0, BB)  # block rows of x (block columns of x^T)
+    c = pid_c * (T * BC) + tl.arange(0, BC)  # block columns of x, first tile
+    k = pid_c * (T * 16 * BC) + tl.arange(0, 16 * BC)  # columns of x (rows of x^T), first tile
+    if ROW:
+        r_off = scalar_arg(roff_arg, ROFF_PTR)
+        if ROW_PER_TOKEN:
+            r_div, r_inv, r_huge = _scales(ramax_ptr, ro_ptr, m[:, None], M, r_mult, True, ROW_MULT, pid_c == 0)
+        else:
+            r_div, r_inv, r_huge = _scales(ramax_ptr, ro_ptr, 0, 1, r_mult, False, ROW_MULT, first)
+        xr = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
+    if COL:
+        c_off = scalar_arg(coff_arg, COFF_PTR)
+        if not COL_PER_TOKEN:
+            c_div, c_inv, c_huge = _scales(camax_ptr, co_ptr, 0, 1, c_mult, False, COL_MULT, first)
+        if COL_RHT:
             signs = tl.load(signs_ptr + tl.arange(0, 16))
-        for i in tl.static_range(16):
-            k = (c * 16 + i)[None, :]
+        xc = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
+    for t in range(T):
+        more = t + 1 < T
+        if ROW:  # prefetch
+            xr_next = load_row_blocks(x_ptr, m, c + BC, M, K, stride_m, stride_k, more)
+        if COL:
+            xc_next = load_col_blocks(x_ptr, k + 16 * BC, b, M, K, stride_m, stride_k, more)
+        if ROW:  # operand x (M, K): rows m, block columns c
+            _quantize_store(xr.to(tl.float32), m[:, None], c[None, :], M, K, rq_ptr, rs_ptr,
+                            r_div, r_inv, r_huge, seed, r_off, mul16, ROW_SR, ROW_MULT)
+            xr = xr_next
+        if COL:  # operand x^T (K, M): rows k, block columns b
             if COL_PER_TOKEN:
-                s_div, inv_div, huge = _scales(camax_ptr, co_ptr, k, K, c_mult, True, COL_MULT, pid_b == 0)
-            y = to_f32_again(cols[i])
+                c_div, c_inv, c_huge = _scales(camax_ptr, co_ptr, k[:, None], K, c_mult, True, COL_MULT, pid_b == 0)
+            y = xc.to(tl.float32)
             if COL_RHT:
                 y = rht16(y, signs)
-            _quantize_store(y, k, b[:, None], K, M, cq_ptr, cs_ptr, s_div, inv_div, huge, seed,
-                            offset, mul16, COL_SR, COL_MULT)
+            _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, c_div, c_inv, c_huge,
+                            seed, c_off, mul16, COL_SR, COL_MULT)
+            xc = xc_next
+        c += BC
+        k += 16 * BC
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,22 +237,23 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
                         W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
                         SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
-    """W (N, K) in 16x16 blocks: codes stored packed along the rows (q_ptr: int64 view of W's
-    (N, K/2) bytes) and along the columns (qt_ptr: int32 view of W^T's (K, N/2) bytes), each code
-    computed once. Rows are taken last to first so that the W^T words build up by base-16 Horner
-    steps on in-register (BB, BC, 16) accumulators; their halves are stored as they complete."""
+    """W (N, K) in 16x16 blocks, a (16 BB, 16 BC) tile per program: codes stored packed along the
+    rows (q_ptr: int64 view of W's (N, K/2) bytes) and along the columns (qt_ptr: int64 view of
+    W^T's (K, N/2) bytes). The tile amaxes come from the row blocks; the W^T codes are computed
+    on the column blocks (read again), with the same multipliers and, for SR, W's random bits
+    transposed, so they equal the W codes."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
+    n = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
     b = pid_b * BB + tl.arange(0, BB)
     c = pid_c * BC + tl.arange(0, BC)
-    rows = load_rows(w_ptr, b, c, N, K, stride_n, stride_k)  # rows[j][b, c, i] = w[16b + j, 16c + i]
+    rows = load_row_blocks(w_ptr, n, c, N, K, stride_n, stride_k)  # [n, c, i] = w[n, 16c + i]
     s_outer, s_div, inv_div = outer_scale(tl.load(amax_ptr), mult, MULT)
     if (pid_b == 0) & (pid_c == 0):
         tl.store(o_ptr, s_outer)
-    a = abs_max16_bits(rows[0])  # the tile amax, on the input's bit patterns
-    for j in tl.static_range(1, 16):
-        a = tl.maximum(a, abs_max16_bits(rows[j]))
-    scode, recip = block_scale(bits_to_float(a, rows[0].dtype), s_div, inv_div)
+    a16 = abs_max16_bits(rows)
+    a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
+    scode, recip = block_scale(bits_to_float(a, rows.dtype), s_div, inv_div)  # (BB, BC)
     bad = recip != recip
     huge = inv_div >= HUGE_INV
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
@@ -194,31 +262,33 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
     if WT:
         tl.store(st_ptr + c[None, :] * (N // 16) + b[:, None], scode.to(tl.uint8), mask=mask)
     seed = scalar_arg(seed_arg, SEED_PTR)
-    counter = (_u32(scalar_arg(off_arg, OFF_PTR)) + _u32(b[:, None] * 16) * _u32(K // 8)
-               + _u32(c[None, :]) * 2)  # of element (0, 0) of each tile, W's row-major order
-    for j in tl.static_range(15, -1, -1):
-        bits = 0
+    bits = 0
+    if SR:  # W's row-major element order
+        counter = (_u32(scalar_arg(off_arg, OFF_PTR)) + _u32(n[:, None]) * _u32(K // 8)
+                   + _u32(c[None, :]) * 2)
+        bits = bits16(seed, counter)  # (16 BB, BC, 16)
+    if W:
+        recip_r = tl.reshape(tl.broadcast_to(recip[:, None, :], (BB, 16, BC)), (16 * BB, BC))
+        bad_r = recip_r != recip_r
+        words = encode16(rows.to(tl.float32) * recip_r[:, :, None], bits, bad_r, huge, mul16,
+                         SR, MULT)
+        rmask = (n < N)[:, None] & (c < K // 16)[None, :]
+        tl.store(q_ptr + n[:, None] * (K // 16) + c[None, :], words.to(tl.int64, bitcast=True),
+                 mask=rmask)
+    if WT:
+        k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
+        cols = load_col_blocks(w_ptr, k, b, N, K, stride_n, stride_k)  # [k, b, j] = w[16b + j, k]
+        rt = tl.trans(recip)  # (BC, BB)
+        recip_c = tl.reshape(tl.broadcast_to(rt[:, None, :], (BC, 16, BB)), (16 * BC, BB))
+        bad_c = recip_c != recip_c
+        bits_c = 0
         if SR:
-            bits = bits16(seed, counter + _u32(j) * _u32(K // 8))
-        cj, sj = nibbles(rows[j].to(tl.float32) * recip[:, :, None], bits, huge,
-                         (mul16 // 8).to(tl.uint32), SR, MULT)
-        if W:
-            n = (b * 16 + j)[:, None]
-            word = finish_words(pack16(cj, mul16), pack16(sj, mul16), bad[:, :, None], SR)
-            tl.store(q_ptr + n * (K // 16) + c[None, :], word.to(tl.int64, bitcast=True), mask=mask)
-        if WT:
-            if j % 8 == 7:
-                col_c = cj
-                col_s = sj
-            else:
-                col_c = col_c * mul16 + cj
-                col_s = col_s * mul16 + sj
-            if j % 8 == 0:  # the words of rows j..j+7 of every column: W^T half-word j // 8
-                half = split16(finish_half(col_c, col_s, bad[:, :, None], SR))
-                for i in tl.static_range(16):
-                    k = (c * 16 + i)[None, :]
-                    tl.store(qt_ptr + (k * (N // 16) + b[:, None]) * 2 + j // 8,
-                             half[i].to(tl.int32, bitcast=True), mask=mask)
+            bits_c = tl.reshape(tl.trans(tl.reshape(bits, (16 * BB, 16 * BC))), (16 * BC, BB, 16))
+        words = encode16(cols.to(tl.float32) * recip_c[:, :, None], bits_c, bad_c, huge, mul16,
+                         SR, MULT)
+        cmask = (k < K)[:, None] & (b < N // 16)[None, :]
+        tl.store(qt_ptr + k[:, None] * (N // 16) + b[None, :], words.to(tl.int64, bitcast=True),
+                 mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,8 +355,13 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
     roff_a, roff_p = _scalar(row_offset, dev)
     coff_a, coff_p = _scalar(col_offset, dev)
     dummy = x
-    grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
-    _quantize_1d_kernel[grid](
+    if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
+        kernel = _quantize_1d_loop_kernel
+        grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"] * meta["T"]))
+    else:
+        kernel = _quantize_1d_kernel
+        grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
+    kernel[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
         r.qdata.view(torch.int64) if r else dummy, r.scale if r else dummy,
         r.outer_scale if r else dummy, row_amax if r else dummy,
@@ -354,7 +429,7 @@ def quantize_2d(w: torch.Tensor, *, sr: bool = False, seed: IntOrTensor = 0,
     _quantize_2d_kernel[grid](
         w, n, k, w.stride(0), w.stride(1), amax_, float(amax_scale or 1.0), seed_a, off_a, 16,
         q.view(torch.int64) if write_w else w, s if write_w else w,
-        qt.view(torch.int32) if write_wt else w, st if write_wt else w, outer,
+        qt.view(torch.int64) if write_wt else w, st if write_wt else w, outer,
         W=write_w, WT=write_wt, SR=sr, MULT=amax_scale is not None, SEED_PTR=seed_p, OFF_PTR=off_p)
     wq = Quantized(q, s.view(torch.float8_e4m3fn), outer) if write_w else None
     wtq = Quantized(qt, st.view(torch.float8_e4m3fn), outer) if write_wt else None
