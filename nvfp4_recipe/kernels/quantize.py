@@ -119,9 +119,13 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div, h
     tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
 
 
+# The two 1D kernels share their arguments; autotuning is keyed on the shape and every variant flag.
+_TUNE_KEYS = ["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "COL", "COL_RHT", "COL_SR",
+              "COL_PER_TOKEN", "COL_MULT"]
+
+
 @triton.autotune(configs=_configs(),
-                 key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "COL", "COL_RHT",
-                      "COL_SR", "COL_PER_TOKEN", "COL_MULT"])
+                 key=_TUNE_KEYS)
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -165,8 +169,7 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
 
 
 @triton.autotune(configs=_configs(loop=True),
-                 key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "COL", "COL_RHT",
-                      "COL_SR", "COL_PER_TOKEN", "COL_MULT"])
+                 key=_TUNE_KEYS)
 @triton.jit
 def _quantize_1d_loop_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                              rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
