@@ -76,9 +76,11 @@ def register_backend(cls) -> type:
     return cls
 
 
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
+def warn_once(msg: str, key: Optional[str] = None) -> None:
+    """Log a fallback warning once per ``key`` (default: the message) for the whole package."""
+    key = msg if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
         log.warning(msg)
 
 
@@ -126,7 +128,7 @@ def get_backend(name: str, device: torch.device) -> Backend:
             why = _available(candidate, device)
             if why is None:
                 break
-            _warn_once(f"NVFP4 backend {candidate!r} unavailable ({why}); falling back to {order[i + 1]!r}")
+            warn_once(f"NVFP4 backend {candidate!r} unavailable ({why}); falling back to {order[i + 1]!r}")
         name = candidate
     else:
         why = _available(name, device)

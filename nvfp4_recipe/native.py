@@ -14,16 +14,13 @@ bias are then applied in fp32 and the result is rounded once, as in ``reference.
 ``torch.nn.functional.scaled_mm`` (torch >= 2.10) exposes the same cuBLAS kernel.
 """
 
-import logging
 
 import torch
 
-from .backends import Backend, register_backend
+from .backends import Backend, register_backend, warn_once
 from .formats import BLOCK
 from .reference import NVFP4Data, apply_outer_scales
 
-log = logging.getLogger("nvfp4_recipe")
-_WARNED = set()  # fallback kinds already logged
 
 
 def fp4_tensor_cores(device: torch.device) -> bool:
@@ -94,9 +91,7 @@ class NativeBackend(Backend):
         (logged once)."""
         why = _unaligned(a, b)
         if why:
-            if "unaligned" not in _WARNED:
-                _WARNED.add("unaligned")
-                log.warning("native NVFP4 GEMM: %s (cuBLAS needs 16-byte aligned rows); using the "
-                            "reference GEMM for such shapes (logged once)", why)
+            warn_once(f"native NVFP4 GEMM: {why} (cuBLAS needs 16-byte aligned rows); using the "
+                      "reference GEMM for such shapes (logged once)", key="native-unaligned")
             return super().scaled_mm(a, b, a_block, b_block, bias, out_dtype)
         return native_scaled_mm(a, b, a_block, b_block, bias, out_dtype)

@@ -5,7 +5,6 @@ tensor is ``dequantize()``; its ``dtype`` is the high-precision dtype it was qua
 of two NVFP4Tensors run as NVFP4 GEMMs on the backend for their device (``backends.py``).
 """
 
-import logging
 from typing import Optional
 
 import torch
@@ -20,7 +19,6 @@ from .recipe import OperandSpec
 from .reference import NVFP4Data
 
 aten = torch.ops.aten
-log = logging.getLogger("nvfp4_recipe")
 
 __all__ = ["NVFP4Tensor"]
 

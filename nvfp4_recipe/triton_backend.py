@@ -10,20 +10,17 @@ reads the (M, K) matrix once and writes the rowwise and/or columnwise copies; a 
 is an amax pass plus one pass writing W and its exact transpose.
 """
 
-import logging
 from typing import Optional, Tuple
 
 import torch
 
 from . import reference as R
-from .backends import Backend, register_backend
+from .backends import Backend, register_backend, warn_once
 from .kernels import gemm as G
 from .kernels.quantize import CopySpec, Quantized, quantize_1d, quantize_2d
 from .recipe import OperandSpec
 from .reference import NVFP4Data
 
-log = logging.getLogger("nvfp4_recipe")
-_WARNED = set()
 
 
 def _copy_spec(spec: OperandSpec) -> CopySpec:
@@ -114,10 +111,7 @@ class TritonBackend(Backend):
 
     def _quantize_2d(self, x, spec, seed, offset, signs) -> NVFP4Data:
         if spec.rht:  # RHT along K with 16x16 blocks: no recipe asks for it; the reference does it
-            msg = "triton backend: 2d blocks with RHT run on the reference implementation"
-            if msg not in _WARNED:
-                _WARNED.add(msg)
-                log.warning(msg)
+            warn_once("triton backend: 2d blocks with RHT run on the reference implementation")
             return super().quantize(x, spec, seed, offset, signs)
         sr = spec.rounding == "sr"
         if _is_transposed_view(x) and not sr:  # quantize_2d(x) is the exact transpose of that of x.t()

@@ -257,7 +257,6 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
     a16 = abs_max16_bits(rows)
     a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
     scode, recip = block_scale(bits_to_float(a, rows.dtype), s_div, inv_div)  # (BB, BC)
-    bad = recip != recip
     huge = inv_div >= HUGE_INV
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
     if W:
