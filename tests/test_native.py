@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from nvfp4_recipe import native
+from nvfp4_recipe import backends, native
 from nvfp4_recipe import reference as R
 
 from test_kernels_gemm import LAYOUTS, assert_matches_reference, layout_operands
@@ -87,7 +87,7 @@ def test_native_call_matches_reference(emulated_blackwell, layout, scaling):
 
 
 def test_unaligned_shape_falls_back_once(emulated_blackwell, caplog, monkeypatch):
-    monkeypatch.setattr(native, "_WARNED", set())
+    monkeypatch.setattr(backends, "_WARNED", set())
     gen = torch.Generator().manual_seed(2)
     a, a_block, b, b_block = layout_operands("fprop_1d", 32, 32, 48, "per_tensor", gen=gen)
     with caplog.at_level(logging.WARNING, logger="nvfp4_recipe"):
