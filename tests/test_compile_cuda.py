@@ -21,10 +21,16 @@ def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_compiled_step_matches_eager(device):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_step_matches_eager(device, backend):
+    """aot_eager runs the traced graph with eager kernels: bit-identical gradients. Inductor also
+    fuses and reorders the fp32 work around NVFP4Linear (loss, GELU backward, bias-gradient sums),
+    so the quantizers see inputs that differ in the last bits, which can flip single rounding
+    decisions (an RN tie, an SR threshold): compare the gradients in norm, where a few flipped
+    codes stay far below 1e-4, while another SR step alone moves these gradients by 1-17%."""
     model = mlp(device)
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
     for _ in range(2):  # the second step checks that the SR step advanced in the compiled backward
         for m in (model, ref):
@@ -33,7 +39,10 @@ def test_compiled_step_matches_eager(device):
             compiled(x).float().square().mean().backward()
             ref(x).float().square().mean().backward()
         for a, b in zip(grads(model), grads(ref)):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            if backend == "aot_eager":
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            else:
+                assert float((a - b).norm() / b.norm()) < 1e-4
     assert int(model[0].sr_step) == int(ref[0].sr_step) == 2
 
 
