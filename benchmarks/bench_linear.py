@@ -3,7 +3,7 @@
 For each (tokens, in, out) shape and recipe: the fwd+bwd time of NVFP4Linear over the bf16 nn.Linear
 of the same run, the time of each piece (weight quantize, X quantize, dY quantize, fprop, dgrad,
 wgrad GEMMs) timed alone, the peak memory of a step and the bytes saved for backward (counted with
-saved-tensor hooks). Prints a table and writes JSON.
+saved-tensor hooks), split into activations and weight copies. Prints a table and writes JSON.
 
     python benchmarks/bench_linear.py [--json out.json] [--shapes 16384x4096x4096 ...]
 """
@@ -35,6 +35,16 @@ def fwd_bwd(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     def step():
         layer(x).backward(dy)
     return step
+
+
+def saved_split(layer: nn.Module, x: torch.Tensor) -> dict:
+    """Bytes saved for backward, split into activations (the part that grows with the tokens:
+    twice the difference between the full batch and its first half) and the rest (copies of the
+    weight, such as NVFP4Linear's quantized W^T for dgrad)."""
+    full, half = saved_bytes(layer, x), saved_bytes(layer, x[: x.shape[0] // 2])
+    activations = 2 * (full - half)
+    return {"saved_bytes": full, "saved_activation_bytes": activations,
+            "saved_weight_copy_bytes": full - activations}
 
 
 def saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
@@ -91,30 +101,31 @@ def run_shape(m: int, k: int, n: int) -> dict:
     ref = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     out = {"shape": [m, k, n], "bf16": {"ms": bench(fwd_bwd(ref, x, dy)),
                                         "peak_bytes": peak_memory(fwd_bwd(ref, x, dy)),
-                                        "saved_bytes": saved_bytes(ref, x)}}
+                                        **saved_split(ref, x)}}
     for name, recipe in RECIPES.items():
         layer = NVFP4Linear.from_linear(nn.Linear(k, n, device="cuda"), recipe)
         step = fwd_bwd(layer, x, dy)
         ms = bench(step)
         out[name] = {"ms": ms, "ratio_to_bf16": ms / out["bf16"]["ms"],
-                     "peak_bytes": peak_memory(step), "saved_bytes": saved_bytes(layer, x),
+                     "peak_bytes": peak_memory(step), **saved_split(layer, x),
                      "breakdown_ms": breakdown(layer, x.detach(), dy)}
     return out
 
 
 def table(results) -> str:
-    lines = ["| shape (M, K, N) | recipe | fwd+bwd ms | x bf16 time | peak MiB | saved for bwd MiB | saved vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    mib = lambda b: f"{b / 2**20:.1f}"
+    lines = ["| shape (M, K, N) | recipe | fwd+bwd ms | x bf16 time | peak MiB | saved activations MiB "
+             "| vs bf16 | saved weight copy MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         shape = "x".join(map(str, r["shape"]))
         base = r["bf16"]
-        lines.append(f"| {shape} | bf16 nn.Linear | {base['ms']:.3f} | 1.00 | {base['peak_bytes'] / 2**20:.0f} | "
-                     f"{base['saved_bytes'] / 2**20:.1f} | 1.0x |")
-        for name in RECIPES:
+        for name in ("bf16", *RECIPES):
             v = r[name]
-            lines.append(f"| {shape} | NVFP4 {name} | {v['ms']:.3f} | {v['ratio_to_bf16']:.2f} | "
-                         f"{v['peak_bytes'] / 2**20:.0f} | {v['saved_bytes'] / 2**20:.1f} | "
-                         f"{base['saved_bytes'] / v['saved_bytes']:.1f}x smaller |")
+            lines.append(f"| {shape} | {'bf16 nn.Linear' if name == 'bf16' else 'NVFP4 ' + name} | "
+                         f"{v['ms']:.3f} | {v['ms'] / base['ms']:.2f} | {v['peak_bytes'] / 2**20:.0f} | "
+                         f"{mib(v['saved_activation_bytes'])} | "
+                         f"{base['saved_activation_bytes'] / v['saved_activation_bytes']:.2f}x smaller | "
+                         f"{mib(v['saved_weight_copy_bytes'])} |")
     lines += ["", "| shape | piece (default recipe) | ms |", "| --- | --- | --- |"]
     for r in results:
         for piece, ms in r["default"]["breakdown_ms"].items():

@@ -295,3 +295,18 @@ def test_gpu_fused_kernel_uses_wgmma_on_sm90(device):
     for method in ("fused", "dequant_triton"):
         run_gemm(a, b, method=method)
         assert "wgmma.mma_async" in G.LAST_KERNEL[method].asm["ptx"]
+
+
+@pytest.mark.cuda
+def test_gpu_auto_method_splits_small_outputs_to_cublas(device):
+    """A wgrad-like product (small output, long K) goes to cuBLAS, which splits K; a large output
+    stays on the persistent Triton GEMM (sm90+). Both give the reference's numbers."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("the TMA GEMM is sm90+")
+    assert G.default_method(16384, 4096, 4096, torch.device(device)) == "dequant_triton"
+    assert G.default_method(512, 512, 32768, torch.device(device)) == "dequant_cublas"
+    gen = torch.Generator().manual_seed(14)
+    a = random_operand(256, 8192, device=device, gen=gen)
+    b = random_operand(128, 8192, device=device, gen=gen)
+    out = G.scaled_mm(*a, *b, out_dtype=torch.float32)
+    assert_matches_reference(out, a, b, "1d", "1d", None, torch.float32)

@@ -15,16 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, load_rows, rht16, to_f32_again, transpose16
+from .common import abs_bits, load_rows, prune_wide_tiles, rht16, to_f32_again, transpose16
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
 
 def _configs():
+    """(BB, BC) = a program's tile in 16 x 16 blocks (one per thread); narrower tiles for small K
+    (see ``prune_wide_tiles``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BB": 2, "BC": 2}, num_warps=1)]
-    configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw) for bb, bc, nw in ((1, 128, 4), (4, 8, 1))]
-    return configs[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else configs
+    space = ((1, 128, 4), (2, 64, 4), (4, 32, 4), (8, 16, 4), (4, 8, 1))
+    return [triton.Config({"BB": bb, "BC": bc}, num_warps=nw) for bb, bc, nw in space]
 
 
 @triton.jit
@@ -33,7 +35,8 @@ def _abs_max_bits(y):
     return tl.max(abs_bits(y), axis=2)
 
 
-@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"])
+@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"],
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,

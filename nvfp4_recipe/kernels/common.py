@@ -23,8 +23,22 @@ issue at half the rate of fp32 add/multiply/FMA and integer multiply-add, so the
 the packing lean on the latter where that stays exact.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+def prune_wide_tiles(tile_cols):
+    """An autotune ``early_config_prune``: drops the configs whose tile spans more columns
+    (``tile_cols(config)``) than the matrix's K rounded up to a power of two (at least 128), whose
+    lanes would mostly be masked off (e.g. K = 512 in a small model), keeping at least the last
+    config; with NVFP4_AUTOTUNE=0 keeps only the first survivor (no tuning runs)."""
+    def prune(configs, named_args, **kwargs):
+        width = max(128, triton.next_power_of_2(named_args["K"]))
+        fit = [c for c in configs if tile_cols(c) <= width] or list(configs[-1:])
+        return fit[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else fit
+    return prune
+
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # fp32 1.0
 _SIX_BITS = tl.constexpr(0x40C00000)  # fp32 6.0

@@ -538,10 +538,14 @@ def _empty_product(a: Operand, b: Operand, bias, out_dtype) -> torch.Tensor:
 
 def default_method(m: int, n: int, k: int, device: torch.device) -> str:
     """The method ``scaled_mm(method="auto")`` uses for an (m, k) x (n, k) product on ``device``:
-    "dequant_triton" on sm90+ (TMA; fastest at every benchmarked shape on an H200, see
-    docs/benchmarks.md), "dequant_cublas" on older GPUs and under the interpreter."""
+    "dequant_triton" on sm90+ when the output has at least one GEMM_CONFIG tile per SM (TMA;
+    fastest at every benchmarked shape on an H200, see docs/benchmarks.md); "dequant_cublas" for
+    fewer output tiles (the wgrad of small layers: a small output with a long K, which cuBLAS
+    splits along K and our persistent kernel does not), on older GPUs and under the interpreter."""
     if device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0):
-        return "dequant_triton"
+        tiles = triton.cdiv(m, GEMM_CONFIG["BM"]) * triton.cdiv(n, GEMM_CONFIG["BN"])
+        if tiles >= _num_sms(device):
+            return "dequant_triton"
     return "dequant_cublas"
 
 

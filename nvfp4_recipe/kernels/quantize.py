@@ -29,8 +29,8 @@ import triton.language as tl
 
 from . import amax as A
 from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
-                     load_col_blocks, load_row_blocks, outer_scale, quantize_block, rht16,
-                     scalar_arg)
+                     load_col_blocks, load_row_blocks, outer_scale, prune_wide_tiles, quantize_block,
+                     rht16, scalar_arg)
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -65,7 +65,9 @@ def _interpreting() -> bool:
 
 def _configs(loop: bool = False):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
-    per program along K (the 1D kernel's prefetch loop)."""
+    per program along K (the 1D kernel's prefetch loop). The first config of each list measured
+    fastest at the benchmark shapes on the H200 (2026-11-21 sweep, docs/benchmarks.md); it is the
+    only one with NVFP4_AUTOTUNE=0 where it fits K (``prune_wide_tiles``)."""
     if _interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
     if loop:
@@ -75,8 +77,8 @@ def _configs(loop: bool = False):
                    for bb, bc, nw, t, r in space]
     else:
         configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw)
-                   for bb, bc, nw in ((4, 8, 4), (4, 8, 8), (2, 8, 4), (8, 8, 8))]
-    return configs[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else configs
+                   for bb, bc, nw in ((2, 8, 4), (2, 4, 4), (4, 8, 4), (4, 8, 8))]
+    return configs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,8 +126,8 @@ _TUNE_KEYS = ["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "COL", "CO
               "COL_PER_TOKEN", "COL_MULT"]
 
 
-@triton.autotune(configs=_configs(),
-                 key=_TUNE_KEYS)
+@triton.autotune(configs=_configs(), key=_TUNE_KEYS,
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -168,8 +170,9 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
                         seed, offset, mul16, COL_SR, COL_MULT)
 
 
-@triton.autotune(configs=_configs(loop=True),
-                 key=_TUNE_KEYS)
+@triton.autotune(configs=_configs(loop=True), key=_TUNE_KEYS,
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(
+                     lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"])})
 @triton.jit
 def _quantize_1d_loop_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                              rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -233,7 +236,8 @@ def _quantize_1d_loop_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_ar
 # ----------------------------------------------------------------------------------------------
 # 2D kernel
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT"])
+@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT"],
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,
                         q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,

@@ -1,0 +1,93 @@
+"""Every autotune config of each NVFP4 quantize kernel, timed alone on the H200 benchmark shapes.
+
+For M = 16384, K in {4096, 14336}, bf16: the activation pair, the gradient pair, the rowwise RN
+copy and the 2D weight kernel, each run with one config at a time (the autotuner's list is swapped
+in and out); every config's output is checked bit-identical to the first config's. Prints
+% of a device-to-device copy measured in the same run and writes JSON. This is how the first
+config of each list in ``kernels/quantize.py`` was chosen (docs/benchmarks.md).
+
+    python benchmarks/sweep_quantize.py [--json sweep.json]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_gbps, median_ms, write_json  # noqa: E402
+from nvfp4_recipe import reference as R  # noqa: E402
+from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
+from nvfp4_recipe.kernels.quantize import CopySpec, amax_pass, quantize_1d, quantize_2d  # noqa: E402
+
+SHAPES = [(16384, 4096), (16384, 14336)]
+
+
+def cases(x: torch.Tensor, signs: torch.Tensor):
+    """name -> (autotuned kernel, call, bytes moved), amaxes precomputed."""
+    n = x.numel()
+    one = n // 2 + n // 16
+    plain, _ = amax_pass(x, CopySpec(), None)
+    both = amax_pass(x, CopySpec(), CopySpec(rht=True), signs)
+    sr = dict(seed=7, col_offset=2**31)
+    return {
+        "act pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
+            x, CopySpec(), CopySpec(rht=True), signs=signs, amaxes=both), 2 * n + 2 * one),
+        "grad pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
+            x, CopySpec(sr=True), CopySpec(sr=True, rht=True), signs=signs, amaxes=both, **sr),
+            2 * n + 2 * one),
+        "rowwise RN": (Q._quantize_1d_loop_kernel, lambda: quantize_1d(
+            x, CopySpec(), amaxes=(plain, None)), 2 * n + one),
+        "W 2D": (Q._quantize_2d_kernel, lambda: quantize_2d(x, amax=plain),
+                 2 * n + 2 * (n // 2 + n // 256)),
+    }
+
+
+def outputs(out):
+    """The tensors of a quantize call's result, as raw bits."""
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            for q in out if q is not None for t in q]
+
+
+def sweep(kernel, fn, nbytes: int, copy: float):
+    configs = list(kernel.configs)
+    first = None
+    try:
+        for config in configs:
+            kernel.configs = [config]
+            kernel.cache.clear()
+            got = outputs(fn())
+            first = first or got
+            same = all(torch.equal(a, b) for a, b in zip(got, first))
+            ms = median_ms(fn)
+            yield {"config": str(config), "us": ms * 1e3, "% of copy": 100 * nbytes / ms / 1e6 / copy,
+                   "bit-identical to the first": same}
+    finally:
+        kernel.configs = configs
+        kernel.cache.clear()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="sweep_quantize.json")
+    args = parser.parse_args()
+    copy = copy_gbps()
+    print(f"device-to-device copy: {copy:.0f} GB/s")
+    rows = []
+    signs = R.random_signs().cuda()
+    for m, k in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for name, (kernel, fn, nbytes) in cases(x, signs).items():
+            for row in sweep(kernel, fn, nbytes, copy):
+                row = {"shape": f"{m}x{k}", "case": name, **row}
+                rows.append(row)
+                print(f"{row['shape']} {name:10s} {row['% of copy']:5.1f}% {row['us']:7.1f} us "
+                      f"same={row['bit-identical to the first']} {row['config']}", flush=True)
+    write_json(args.json, {"copy_GBps": copy, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
