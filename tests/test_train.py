@@ -55,6 +55,18 @@ def test_tiny_training_learns_on_real_text(tmp_path, capsys):
     assert "| recipe" in table and "gap to bf16" in table
 
 
+@pytest.mark.skipif(not _has_matplotlib(), reason="the plot needs matplotlib")
+def test_plot_without_the_baseline_says_so(tmp_path):
+    """Without bf16 in --recipes the gap panel has nothing to draw: a note, no legend warning."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status, results = _train(tmp_path, "--recipes", "nvfp4-no-sr", "--steps", "10")
+    assert status == 0 and [r["recipe"] for r in results["runs"]] == ["nvfp4-no-sr"]
+    assert (tmp_path / "out" / "loss_curves.png").exists()
+    assert not [w for w in caught if "legend" in str(w.message)]
+
+
 def test_help_lists_every_recipe_and_option(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--help"])

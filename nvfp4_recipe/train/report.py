@@ -111,9 +111,13 @@ def plot_curves(path: str, results: Sequence[RunResult], title: str) -> None:
     ax_val.set(xlabel="step", ylabel="nats/byte", title="validation loss, held-out files (step 0 off scale)")
     ax_gap.set(xlabel="step", ylabel="%", title=f"validation loss relative to {BASELINE}")
     ax_gap.axhline(0, color="gray", lw=0.8)
+    if not base:
+        ax_gap.text(0.5, 0.5, f"no {BASELINE} run in --recipes", transform=ax_gap.transAxes,
+                    ha="center", va="center")
     for ax in (ax_train, ax_val, ax_gap):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
