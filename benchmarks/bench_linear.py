@@ -9,12 +9,11 @@ saved-tensor hooks), split into activations and weight copies. Prints a table an
 """
 
 import argparse
-import json
 
 import torch
 from torch import nn
-from triton.testing import do_bench
 
+from common import median_ms, write_json
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.recipe import SR_OFFSETS
@@ -27,8 +26,8 @@ RECIPES = {
 
 
 def bench(fn) -> float:
-    """Median milliseconds of ``fn`` (triton.testing.do_bench)."""
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+    """Median milliseconds of ``fn`` over 300 ms of runs."""
+    return median_ms(fn, warmup=50, rep=300)
 
 
 def fwd_bwd(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -139,9 +138,8 @@ def main():
     p.add_argument("--json", default="bench_linear.json")
     args = p.parse_args()
     results = [run_shape(*map(int, s.split("x"))) for s in args.shapes]
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "results": results}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "results": results})
     print(table(results))
 
 

@@ -11,11 +11,10 @@ same run. Prints a table and writes JSON.
 """
 
 import argparse
-import json
 
 import torch
-from triton.testing import do_bench
 
+from common import median_ms, write_json
 from nvfp4_recipe.train.loop import build_model, lm_loss, make_optimizer
 from nvfp4_recipe.train.model import count_params
 from nvfp4_recipe.train.presets import preset_config
@@ -83,7 +82,7 @@ def measure(recipe: str, mode: str, profile: bool = False) -> dict:
     torch.cuda.synchronize()
     if mode != "graph":
         torch.cuda.reset_peak_memory_stats()
-    ms = do_bench(run, warmup=100, rep=1000, return_mode="median")
+    ms = median_ms(run, warmup=100, rep=1000)
     if profile:
         print_gpu_time(run, recipe, mode)
     return {"ms": ms, "tokens_per_s": cfg.batch_size * cfg.seq_len / ms * 1e3,
@@ -99,9 +98,8 @@ def main():
     args = p.parse_args()
     results = {f"{r} {m}": measure(r, m, args.profile and m == "eager")
                for m in args.modes for r in RECIPES}
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "config": vars(preset_config("gpu")), "results": results}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "config": vars(preset_config("gpu")), "results": results})
     print("| recipe, mode | step ms | x bf16 (same mode) | tokens/s | peak GiB |\n| --- | --- | --- | --- | --- |")
     for name, r in results.items():
         base = results[name.replace("nvfp4", "bf16")]

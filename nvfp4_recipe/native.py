@@ -14,13 +14,11 @@ bias are then applied in fp32 and the result is rounded once, as in ``reference.
 ``torch.nn.functional.scaled_mm`` (torch >= 2.10) exposes the same cuBLAS kernel.
 """
 
-
 import torch
 
 from .backends import Backend, register_backend, warn_once
 from .formats import BLOCK
 from .reference import NVFP4Data, apply_outer_scales
-
 
 
 def fp4_tensor_cores(device: torch.device) -> bool:

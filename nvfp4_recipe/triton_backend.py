@@ -22,7 +22,6 @@ from .recipe import OperandSpec
 from .reference import NVFP4Data
 
 
-
 def _copy_spec(spec: OperandSpec) -> CopySpec:
     return CopySpec(sr=spec.rounding == "sr", rht=spec.rht, per_token=spec.scaling == "per_token",
                     amax_scale=spec.amax_scale)

@@ -69,6 +69,7 @@ def apply_recipe(model: nn.Module, name: str, seed: int, backend: str) -> nn.Mod
 
 def quantized_fraction(model: nn.Module) -> str:
     """'k/n linears in NVFP4' for a model after :func:`apply_recipe`."""
+    from nvfp4_recipe.linear import NVFP4Linear
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    quantized = [m for m in linears if type(m).__name__ == "NVFP4Linear"]
+    quantized = [m for m in linears if isinstance(m, NVFP4Linear)]
     return f"{len(quantized)}/{len(linears)} linears in NVFP4"
