@@ -1,7 +1,8 @@
 """Every autotune config of each NVFP4 quantize kernel, timed alone on the H200 benchmark shapes.
 
-For M = 16384, K in {4096, 14336}, bf16: the activation pair, the gradient pair, the rowwise RN
-copy and the 2D weight kernel, each run with one config at a time (the autotuner's list is swapped
+For M = 16384, K in {4096, 14336} (and with ``--small`` the `train --preset gpu` shapes M = 32768,
+K in {512, 2048}), bf16: the activation pair, the gradient pair, the rowwise RN copy, the 2D weight
+kernel and the amax kernel (global; with the RHT amax; per-token), each run with one config at a time (the autotuner's list is swapped
 in and out); every config's output is checked bit-identical to the first config's. Prints
 % of a device-to-device copy measured in the same run and writes JSON. This is how the first
 config of each list in ``kernels/quantize.py`` was chosen (docs/benchmarks.md).
@@ -19,10 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_gbps, median_ms, write_json  # noqa: E402
 from nvfp4_recipe import reference as R  # noqa: E402
+from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
 from nvfp4_recipe.kernels.quantize import CopySpec, amax_pass, quantize_1d, quantize_2d  # noqa: E402
 
 SHAPES = [(16384, 4096), (16384, 14336)]
+SMALL_SHAPES = [(32768, 512), (32768, 2048)]
 
 
 def cases(x: torch.Tensor, signs: torch.Tensor):
@@ -42,13 +45,17 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
             x, CopySpec(), amaxes=(plain, None)), 2 * n + one),
         "W 2D": (Q._quantize_2d_kernel, lambda: quantize_2d(x, amax=plain),
                  2 * n + 2 * (n // 2 + n // 256)),
+        "amax": (A._amax_kernel, lambda: A.amax(x), 2 * n),
+        "amax+RHT amax": (A._amax_kernel, lambda: A.amax(x, A.TENSOR, A.TENSOR, True, signs), 2 * n),
+        "per-token amax": (A._amax_kernel, lambda: A.amax(x, A.PER_INDEX, A.PER_INDEX), 2 * n),
     }
 
 
 def outputs(out):
-    """The tensors of a quantize call's result, as raw bits."""
-    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-            for q in out if q is not None for t in q]
+    """The tensors of a quantize or amax call's result (tuples of Quantized, tensors or None),
+    as raw bits."""
+    flat = [t for q in out if q is not None for t in ((q,) if isinstance(q, torch.Tensor) else q)]
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat]
 
 
 def sweep(kernel, fn, nbytes: int, copy: float):
@@ -72,19 +79,23 @@ def sweep(kernel, fn, nbytes: int, copy: float):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="sweep_quantize.json")
+    parser.add_argument("--small", action="store_true", help="also the train --preset gpu shapes")
+    parser.add_argument("--cases", nargs="*", help="only these cases (names as printed)")
     args = parser.parse_args()
     copy = copy_gbps()
     print(f"device-to-device copy: {copy:.0f} GB/s")
     rows = []
     signs = R.random_signs().cuda()
-    for m, k in SHAPES:
+    for m, k in SHAPES + (SMALL_SHAPES if args.small else []):
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for name, (kernel, fn, nbytes) in cases(x, signs).items():
+            if args.cases and name not in args.cases:
+                continue
             for row in sweep(kernel, fn, nbytes, copy):
                 row = {"shape": f"{m}x{k}", "case": name, **row}
                 rows.append(row)
-                print(f"{row['shape']} {name:10s} {row['% of copy']:5.1f}% {row['us']:7.1f} us "
+                print(f"{row['shape']} {name:14s} {row['% of copy']:5.1f}% {row['us']:7.1f} us "
                       f"same={row['bit-identical to the first']} {row['config']}", flush=True)
     write_json(args.json, {"copy_GBps": copy, "rows": rows})
 

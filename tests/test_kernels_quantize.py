@@ -217,9 +217,10 @@ def test_nonfinite_propagates():
             assert torch.equal(q & 0x77, rq & 0x77)  # magnitudes everywhere
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=idfn)
 @pytest.mark.parametrize("rht", [False, True])
-def test_amax_kernel(rht):
-    x = rand((48, 64), seed=5)
+def test_amax_kernel(rht, dtype):
+    x = rand((48, 64), dtype, seed=5)
     signs = signs_for()
     r, c = A.amax(x, A.PER_INDEX, A.PER_INDEX, rht, signs if rht else None)
     xt = R.rht(x.t(), signs) if rht else x.t().float()

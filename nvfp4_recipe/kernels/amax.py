@@ -1,9 +1,10 @@
 """Amax kernels: max |x| over a tensor, per row, per column, and of the columnwise RHT output.
 
-One kernel reads a tile of rows 16b + j (tuple form, see ``common``) and reduces it to any of:
-the global amax, per-row amaxes (per-token scaling of the rowwise copy), and the global or
-per-column amax of x or of the 16-point RHT of x along M (the columnwise copy, blocks along M),
-the last without writing the transformed tensor. Each program folds its tile into the results with
+One kernel reads a tile of x as column blocks (16 rows of one column in a thread's registers, the
+blocks of the columnwise copy; ``common.load_col_blocks``) and reduces it to any of: the global
+amax, per-row amaxes (per-token scaling of the rowwise copy), and the global or per-column amax of
+x or of the 16-point RHT of x along M (the columnwise copy), the last without writing the
+transformed tensor. Each program folds its tile into the results with
 one atomic max per output element it touches (one in all for a global amax). The maxima are taken
 on the int32 bit patterns of |x|, so NaN wins over everything and propagates (spec item 9).
 """
@@ -15,24 +16,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, load_rows, prune_wide_tiles, rht16, to_f32_again, transpose16
+from .common import abs_bits, abs_max16_bits, bits_to_float, load_col_blocks, prune_wide_tiles, rht16
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
 
 def _configs():
-    """(BB, BC) = a program's tile in 16 x 16 blocks (one per thread); narrower tiles for small K
-    (see ``prune_wide_tiles``)."""
+    """(BB, BC) = a program's tile in 16 x 16 blocks; the first measured fastest for the RHT and
+    per-token amaxes at every benchmark shape on the H200 (2026-11-21, ``sweep_quantize.py``) and is
+    the only one with NVFP4_AUTOTUNE=0; narrower tiles for small K (see ``prune_wide_tiles``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BB": 2, "BC": 2}, num_warps=1)]
-    space = ((1, 128, 4), (2, 64, 4), (4, 32, 4), (8, 16, 4), (4, 8, 1))
+    space = ((8, 4, 4), (8, 8, 4), (2, 16, 4), (4, 8, 4), (2, 8, 4))
     return [triton.Config({"BB": bb, "BC": bc}, num_warps=nw) for bb, bc, nw in space]
 
 
 @triton.jit
-def _abs_max_bits(y):
-    """max |y| over the last axis of (A, B, 16) fp32, as int32 bits (exact, NaN above Inf)."""
-    return tl.max(abs_bits(y), axis=2)
+def _block_max_bits(t):
+    """max |t| over the last axis of (A, B, 16) blocks, as the int32 bits of the fp32 value."""
+    return abs_bits(bits_to_float(abs_max16_bits(t), t.dtype))
 
 
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"],
@@ -41,34 +43,26 @@ def _abs_max_bits(y):
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
                  BB: tl.constexpr, BC: tl.constexpr):
+    """One tile of 16 BB rows x 16 BC columns per program, read as column blocks (the
+    columnwise copy's blocks: 16 rows of one column in a thread's registers), which serve every
+    output: the RHT runs along their register axis, and the row maxima reduce across columns."""
+    k = tl.program_id(1) * (16 * BC) + tl.arange(0, 16 * BC)
     b = tl.program_id(0) * BB + tl.arange(0, BB)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    rows = load_rows(x_ptr, b, c, M, K, stride_m, stride_k)  # rows[j][b, c, i] = x[16b + j, 16c + i]
+    t = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)  # t[a, d, j] = x[16 b[d] + j, k[a]]
     if ROW == 1:
-        a = _abs_max_bits(rows[0].to(tl.float32))
-        for j in tl.static_range(1, 16):
-            a = tl.maximum(a, _abs_max_bits(rows[j].to(tl.float32)))
-        tl.atomic_max(row_ptr, tl.max(tl.max(a, axis=1), axis=0))
+        tl.atomic_max(row_ptr, tl.max(tl.max(_block_max_bits(t), axis=1), axis=0))
     if ROW == 2:
-        for j in tl.static_range(16):
-            m = b * 16 + j
-            tl.atomic_max(row_ptr + m, tl.max(_abs_max_bits(rows[j].to(tl.float32)), axis=1), mask=m < M)
+        m = b[:, None] * 16 + tl.arange(0, 16)[None, :]
+        tl.atomic_max(row_ptr + m, tl.max(abs_bits(t.to(tl.float32)), axis=0), mask=m < M)
     if COL != 0:
-        cols = transpose16(rows)  # cols[i][b, c, j] = x[16b + j, 16c + i]
         if COL_RHT:
-            signs = tl.load(signs_ptr + tl.arange(0, 16))
-        for i in tl.static_range(16):
-            y = to_f32_again(cols[i])
-            if COL_RHT:
-                y = rht16(y, signs)
-            a = _abs_max_bits(y)  # (BB, BC): per column 16c + i and row block b
-            if COL == 1:
-                col_max = a if i == 0 else tl.maximum(col_max, a)
-            else:
-                k = c * 16 + i
-                tl.atomic_max(col_ptr + k, tl.max(a, axis=0), mask=k < K)
+            a = tl.max(abs_bits(rht16(t.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16)))), axis=2)
+        else:
+            a = _block_max_bits(t)
         if COL == 1:
-            tl.atomic_max(col_ptr, tl.max(tl.max(col_max, axis=1), axis=0))
+            tl.atomic_max(col_ptr, tl.max(tl.max(a, axis=1), axis=0))
+        else:
+            tl.atomic_max(col_ptr + k, tl.max(a, axis=1), mask=k < K)
 
 
 def check_matrix(x: torch.Tensor, rows16: bool, cols16: bool) -> None:

@@ -6,17 +6,12 @@ single rounding is the one wanted (the interpreter truncates fp32 -> fp8 casts),
 ``div_rn`` (Triton's fp32 ``/`` is approximate on the GPU), and the stochastic-rounding bits come
 from Philox-4x32-10 with a uint32 counter, as ``tl.randint4x``.
 
-Tile forms. The quantize kernels use block tiles (``load_row_blocks``, ``load_col_blocks``): a
-(rows, blocks, 16) or (columns, blocks, 16) tensor per program with each block's 16 elements in
-one thread's registers; the block helpers below (``quantize_block``, ``rht16``, ``pack16``, ...)
-work on any (A, B, 16) tensor. The amax kernel (``amax.py``) still uses the older form, in which
-each thread owns whole 16 x 16 tiles of the matrix. ``load_rows`` gives them as 16
-row blocks, R[j] = (BB, BC, 16) tensors with R[j][b, c, i] = x[16b + j, 16c + i], whose last axis
-lives in the thread's registers (two 16-byte loads joined with ``tl.join``, which appends an
-in-register axis); ``transpose16`` turns them into the 16 column blocks C[i][b, c, j] by joining
-and splitting register axes. A block is then reduced, transformed (Hadamard butterfly) and packed
-along its in-register axis: no data exchange between threads, no shared memory, no layout
-conversion. (Working block by block also keeps register pressure and compile time low.)
+Tile forms. The quantize and amax kernels use block tiles (``load_row_blocks``,
+``load_col_blocks``): a (rows, blocks, 16) or (columns, blocks, 16) tensor per program with each
+block's 16 elements in one thread's registers; the block helpers below (``quantize_block``,
+``rht16``, ``pack16``, ...) work on any (A, B, 16) tensor. A block is reduced, transformed
+(Hadamard butterfly) and packed along that in-register axis, with no data exchange between threads;
+Triton picks the thread layout of the other two axes and converts layouts before the stores.
 
 The elementwise code is arranged for Hopper's pipes: integer/logic/compare/min-max instructions
 issue at half the rate of fp32 add/multiply/FMA and integer multiply-add, so the E2M1 rounding and
@@ -178,41 +173,6 @@ def join16(t):
 
 
 @triton.jit
-def _split_tree(x):
-    """Inverse of :func:`_join_tree` for a tensor whose 4 trailing axes have size 2."""
-    a0, a1 = tl.split(x)
-    leaves = ()
-    for b0 in tl.static_range(2):
-        y0, y1 = tl.split(a0 if b0 == 0 else a1)
-        for b1 in tl.static_range(2):
-            z0, z1 = tl.split(y0 if b1 == 0 else y1)
-            for b2 in tl.static_range(2):
-                w0, w1 = tl.split(z0 if b2 == 0 else z1)
-                leaves = leaves + (w0, w1)  # leaf 8 b0 + 4 b1 + 2 b2 + b3: the index bit-reversed
-    res = ()
-    for j in tl.static_range(16):
-        res = res + (leaves[((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3)],)
-    return res
-
-
-@triton.jit
-def split16(x):
-    """(A, B, 16) -> 16-tuple of (A, B) tensors, entry j = x[:, :, j]."""
-    return _split_tree(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2, 2)))
-
-
-@triton.jit
-def transpose16(rows):
-    """16-tuple of (A, B, 16) blocks R[j][a, b, i] -> 16-tuple C[i][a, b, j] = R[j][a, b, i]."""
-    t = _join_tree(rows)  # (A, B, 16, 2, 2, 2, 2): [a, b, i, bits of j]
-    A: tl.constexpr = t.shape[0]
-    B: tl.constexpr = t.shape[1]
-    t = tl.permute(tl.reshape(t, (A, B, 16, 16)), (0, 1, 3, 2))  # [a, b, j, i]
-    cols = _split_tree(tl.reshape(t, (A, B, 16, 2, 2, 2, 2)))
-    return cols
-
-
-@triton.jit
 def pack16(c, mul16):
     """(A, B, 16) uint32 nibbles -> (A, B, 2) uint32 words (elements 0-7, 8-15), element 0 in the
     lowest nibble. ``mul16`` is the integer 16 passed at run time, so that the shift-adds compile
@@ -329,17 +289,6 @@ def abs_max16(y):
 
 
 @triton.jit
-def to_f32_again(x):
-    """x as fp32, computed by other instructions than ``x.to(tl.float32)`` for bf16 x, so that
-    the compiler cannot merge it with an earlier conversion of the same values and keep a whole
-    tile in fp32 registers between the rowwise and columnwise passes (bf16 -> fp32 is a shift)."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
 def abs_max16_bits(y):
     """max |y| over the last axis of (A, B, 16) floats as integer bits of the input width (int16
     or int32; ordered like the magnitudes, NaN above Inf), so that no fp32 copy of y is made."""
@@ -375,26 +324,6 @@ def quantize_block(y, s_div, inv_div, huge, seed, counter, mul16, SR: tl.constex
 
 # ----------------------------------------------------------------------------------------------
 # Tiles
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def load_rows(x_ptr, b, c, n_rows, n_cols, stride_r, stride_c):
-    """The 16 row blocks of a program's tiles: R[j][b, c, i] = x[16b + j, 16c + i] as
-    (len(b), len(c), 16) tensors in the matrix dtype (zeros outside the matrix). Each row block
-    is read as two runs of 8 (16 bytes for 2-byte dtypes) joined in registers."""
-    cols = c[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
-    rows = ()
-    for j in tl.static_range(16):
-        r = b[:, None, None] * 16 + j
-        ptr = x_ptr + r * stride_r + cols * stride_c
-        lo = tl.load(ptr, mask=(r < n_rows) & (cols < n_cols), other=0.0)
-        hi = tl.load(ptr + 8 * stride_c, mask=(r < n_rows) & (cols + 8 < n_cols), other=0.0)
-        row = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [b, c, i // 8, i % 8]
-        rows = rows + (tl.reshape(row, (row.shape[0], row.shape[1], 16)),)
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# Block tiles (one 16-element block per thread and register axis; Triton picks the thread layout)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def load_row_blocks(x_ptr, r, c, n_rows, n_cols, stride_r, stride_c, valid=True):
