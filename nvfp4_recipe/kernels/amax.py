@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, abs_max16_bits, bits_to_float, load_col_blocks, prune_wide_tiles, rht16
+from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16, load_col_blocks,
+                     prune_wide_tiles)
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
@@ -49,20 +50,23 @@ def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
     k = tl.program_id(1) * (16 * BC) + tl.arange(0, 16 * BC)
     b = tl.program_id(0) * BB + tl.arange(0, BB)
     t = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)  # t[a, d, j] = x[16 b[d] + j, k[a]]
+    if COL_RHT:  # one fp32 copy serves both maxima
+        y = t.to(tl.float32)
+        tile_max = abs_bits(abs_max16(y))
+        # x -> RN(x / 4) is monotone, so the largest scaled value is the scaled largest one
+        col_max = abs_bits(abs_max16(hadamard16(y, tl.load(signs_ptr + tl.arange(0, 16)))) * 0.25)
+    else:
+        tile_max = _block_max_bits(t)
+        col_max = tile_max
     if ROW == 1:
-        tl.atomic_max(row_ptr, tl.max(tl.max(_block_max_bits(t), axis=1), axis=0))
+        tl.atomic_max(row_ptr, tl.max(tl.max(tile_max, axis=1), axis=0))
     if ROW == 2:
         m = b[:, None] * 16 + tl.arange(0, 16)[None, :]
         tl.atomic_max(row_ptr + m, tl.max(abs_bits(t.to(tl.float32)), axis=0), mask=m < M)
-    if COL != 0:
-        if COL_RHT:
-            a = tl.max(abs_bits(rht16(t.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16)))), axis=2)
-        else:
-            a = _block_max_bits(t)
-        if COL == 1:
-            tl.atomic_max(col_ptr, tl.max(tl.max(a, axis=1), axis=0))
-        else:
-            tl.atomic_max(col_ptr + k, tl.max(a, axis=1), mask=k < K)
+    if COL == 1:
+        tl.atomic_max(col_ptr, tl.max(tl.max(col_max, axis=1), axis=0))
+    if COL == 2:
+        tl.atomic_max(col_ptr + k, tl.max(col_max, axis=1), mask=k < K)
 
 
 def check_matrix(x: torch.Tensor, rows16: bool, cols16: bool) -> None:

@@ -209,18 +209,22 @@ def _butterfly(y, h: tl.constexpr):
 
 
 @triton.jit
-def rht16(y, signs):
-    """16-point random Hadamard transform of (A, B, 16) blocks along the last axis (spec item 7).
-
-    The reference's fixed fp32 order: times signs (exact), butterflies at distance 1, 2, 4, 8 with
-    (a, b) -> (a + b, a - b), then times 0.25. ``signs``: (16,) fp32 +-1.
-    """
+def hadamard16(y, signs):
+    """The unscaled 16-point RHT of (A, B, 16) blocks along the last axis, in the reference's fixed
+    fp32 order: times ``signs`` ((16,) fp32 +-1, exact), then butterflies at distance 1, 2, 4, 8
+    with (a, b) -> (a + b, a - b)."""
     y = y * signs[None, None, :]
     y = _butterfly(y, 1)
     y = _butterfly(y, 2)
     y = _butterfly(y, 4)
-    y = _butterfly(y, 8)
-    return y * 0.25
+    return _butterfly(y, 8)
+
+
+@triton.jit
+def rht16(y, signs):
+    """16-point random Hadamard transform of (A, B, 16) blocks along the last axis (spec item 7):
+    :func:`hadamard16` times 0.25."""
+    return hadamard16(y, signs) * 0.25
 
 
 @triton.jit
