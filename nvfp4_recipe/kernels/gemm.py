@@ -272,9 +272,13 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, KB, stride_q, stride_s, stride_o,
                     BLOCK_2D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr,
                     EVEN_K: tl.constexpr, PERMUTED: tl.constexpr, PTX: tl.constexpr):
     """Codes x block scales of one (BR rows, H bytes) tile into columns [2*kb, 2*kb + 2*w), w the
-    tile's bytes in range: in order, or PERMUTED (the w even elements, then the w odd ones)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    kb = tl.program_id(1) * H
+    tile's bytes in range: in order, or PERMUTED (the w even elements, then the w odd ones).
+    A 1-D grid with the tiles of a row band fastest, so that the programs running together read
+    and write whole rows rather than a column strip of the whole matrix (0.067 -> 0.062 ms for both
+    operands at 16384 x 4096 x 4096 on the H200, one run each)."""
+    n_kb = tl.cdiv(KB, H)
+    rows = (tl.program_id(0) // n_kb) * BR + tl.arange(0, BR)
+    kb = (tl.program_id(0) % n_kb) * H
     lo, hi = _load_dequant(q_ptr, s_ptr, rows % R, kb, KB, stride_q, stride_s, BR, H, BLOCK_2D,
                            EVEN_K, PTX)
     dtype = out_ptr.dtype.element_ty
@@ -497,7 +501,7 @@ def _dequantize(op: Operand, out_dtype, permuted: bool, cfg: Optional[dict] = No
     out = torch.empty((op.rows, op.k), dtype=out_dtype, device=op.qdata.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(op.rows, cfg["BR"]), triton.cdiv(kb, h))
+    grid = (triton.cdiv(op.rows, cfg["BR"]) * triton.cdiv(kb, h),)
     LAST_KERNEL["dequant"] = _dequant_kernel[grid](op.qdata, op.scale, out, op.rows, kb, op.qdata.stride(0),
                           op.scale.stride(0), out.stride(0), BLOCK_2D=op.block == "2d", H=h,
                           EVEN_K=kb % h == 0, PERMUTED=permuted, PTX=ptx, **cfg)
