@@ -123,7 +123,8 @@ def table(results) -> str:
             lines.append(f"| {shape} | {'bf16 nn.Linear' if name == 'bf16' else 'NVFP4 ' + name} | "
                          f"{v['ms']:.3f} | {v['ms'] / base['ms']:.2f} | {v['peak_bytes'] / 2**20:.0f} | "
                          f"{mib(v['saved_activation_bytes'])} | "
-                         f"{base['saved_activation_bytes'] / v['saved_activation_bytes']:.2f}x smaller | "
+                         f"{base['saved_activation_bytes'] / v['saved_activation_bytes']:.2f}x"
+                         f"{'' if name == 'bf16' else ' smaller'} | "
                          f"{mib(v['saved_weight_copy_bytes'])} |")
     lines += ["", "| shape | piece (default recipe) | ms |", "| --- | --- | --- |"]
     for r in results:
