@@ -140,7 +140,7 @@ def main():
                 continue
             bw = gbps(nbytes, ms)
             kern = (Q._quantize_2d_kernel if "2D" in name else Q._quantize_1d_kernel
-                    if "pair" in name or "X^T" in name else Q._quantize_1d_loop_kernel)
+                    if "pair" in name or "^T" in name else Q._quantize_rows_kernel)
             cfg = getattr(kern, "best_config", None) if kind in ("quantize", "total") else None
             rows.append({"shape": f"{m}x{k}", "kernel": name, "kind": kind, "us": ms * 1e3,
                          "GB/s": bw, "% of copy": 100 * bw / copy, "bytes": nbytes,

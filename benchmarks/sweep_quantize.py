@@ -41,7 +41,7 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
         "grad pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
             x, CopySpec(sr=True), CopySpec(sr=True, rht=True), signs=signs, amaxes=both, **sr),
             2 * n + 2 * one),
-        "rowwise RN": (Q._quantize_1d_loop_kernel, lambda: quantize_1d(
+        "rowwise RN": (Q._quantize_rows_kernel, lambda: quantize_1d(
             x, CopySpec(), amaxes=(plain, None)), 2 * n + one),
         "W 2D": (Q._quantize_2d_kernel, lambda: quantize_2d(x, amax=plain),
                  2 * n + 2 * (n // 2 + n // 256)),

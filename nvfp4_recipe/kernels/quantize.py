@@ -16,7 +16,7 @@ the contiguous axis (``common.load_col_blocks``: the second read of each line hi
 block's 16 elements sit in one thread for the amax, the RHT butterfly, the rounding and the nibble
 packing; Triton picks the lanes and converts layouts before the stores. Calls with a columnwise
 copy use ``_quantize_1d_kernel`` (one tile per program); rowwise-only calls use
-``_quantize_1d_loop_kernel`` (T tiles per program along K, the next tile loaded while the current
+``_quantize_rows_kernel`` (T tiles per program along K, the next tile loaded while the current
 one is quantized), which measured faster for them and slower for the pairs (docs/benchmarks.md).
 """
 
@@ -65,9 +65,10 @@ def _interpreting() -> bool:
 
 def _configs(loop: bool = False):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
-    per program along K (the 1D kernel's prefetch loop). The first config of each list measured
-    fastest at the benchmark shapes on the H200 (2026-11-21 sweep, docs/benchmarks.md); it is the
-    only one with NVFP4_AUTOTUNE=0 where it fits K (``prune_wide_tiles``)."""
+    per program along K (the prefetch loop of ``_quantize_rows_kernel``). The first config of each
+    list measured fastest at the benchmark shapes on the H200 (2026-11-21 sweep,
+    docs/benchmarks.md); it is the only one with NVFP4_AUTOTUNE=0 where it fits K
+    (``prune_wide_tiles``)."""
     if _interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
     if loop:
@@ -90,18 +91,21 @@ def _u32(x):
 
 
 @triton.jit
-def _scales(amax_ptr, o_ptr, idx, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.constexpr, write):
-    """(s_div, 1 / s_div, huge) of the tensor, or of operand rows ``idx`` (< n; an (X, 1) or
-    (1, X) tensor) when PER_TOKEN; writes s_outer where ``write``. huge: a scalar, whether some
-    1 / s_div >= 2**122 (see quantize_block)."""
+def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.constexpr,
+            first_col, first):
+    """(s_div, 1 / s_div, huge) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
+    (X, 1) tensors, else of the tensor (scalars); s_outer is written by the programs holding the
+    first column of those rows (``first_col``), or by the ``first`` program when per tensor.
+    huge: a scalar, whether some 1 / s_div >= 2**122 (see quantize_block)."""
     if PER_TOKEN:
+        idx = rows[:, None]
         s_outer, s_div, inv_div = outer_scale(tl.load(amax_ptr + idx, mask=idx < n, other=0.0), mult, MULT)
-        if write:
+        if first_col:
             tl.store(o_ptr + idx, s_outer, mask=idx < n)
         huge = tl.max(tl.max(inv_div, axis=1), axis=0) >= HUGE_INV
     else:
         s_outer, s_div, inv_div = outer_scale(tl.load(amax_ptr), mult, MULT)
-        if write:
+        if first:
             tl.store(o_ptr, s_outer)
         huge = inv_div >= HUGE_INV
     return s_div, inv_div, huge
@@ -121,24 +125,20 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div, h
     tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
 
 
-# The two 1D kernels share their arguments; autotuning is keyed on the shape and every variant flag.
-_TUNE_KEYS = ["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "COL", "COL_RHT", "COL_SR",
-              "COL_PER_TOKEN", "COL_MULT"]
-
-
-@triton.autotune(configs=_configs(), key=_TUNE_KEYS,
+@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
+                                           "COL_RHT", "COL_SR", "COL_PER_TOKEN", "COL_MULT"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
                         cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
                         ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
-                        ROW_MULT: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
+                        ROW_MULT: tl.constexpr, COL_RHT: tl.constexpr,
                         COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
                         SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
-    """The kernel of calls with a columnwise copy. One (16 BB, 16 BC) tile of x per program.
-    Rowwise: the tile's (16 BB, BC, 16) row blocks;
+    """The kernel of calls with a columnwise copy (and an optional rowwise one, ROW). One
+    (16 BB, 16 BC) tile of x per program. Rowwise: the tile's (16 BB, BC, 16) row blocks;
     columnwise: its (16 BC, BB, 16) column blocks, read again right after (L1/L2 hits)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -149,88 +149,51 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
         c = pid_c * BC + tl.arange(0, BC)
         y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k).to(tl.float32)
         offset = scalar_arg(roff_arg, ROFF_PTR)
-        if ROW_PER_TOKEN:
-            s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, m[:, None], M, r_mult, True, ROW_MULT, pid_c == 0)
-        else:
-            s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, 0, 1, r_mult, False, ROW_MULT, first)
+        s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, m, M, r_mult, ROW_PER_TOKEN, ROW_MULT,
+                                       pid_c == 0, first)
         _quantize_store(y, m[:, None], c[None, :], M, K, rq_ptr, rs_ptr, s_div, inv_div, huge,
                         seed, offset, mul16, ROW_SR, ROW_MULT)
-    if COL:  # operand x^T (K, M): rows k, block columns b
-        k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
-        b = pid_b * BB + tl.arange(0, BB)
-        y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k).to(tl.float32)
-        offset = scalar_arg(coff_arg, COFF_PTR)
-        if COL_PER_TOKEN:
-            s_div, inv_div, huge = _scales(camax_ptr, co_ptr, k[:, None], K, c_mult, True, COL_MULT, pid_b == 0)
-        else:
-            s_div, inv_div, huge = _scales(camax_ptr, co_ptr, 0, 1, c_mult, False, COL_MULT, first)
-        if COL_RHT:
-            y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
-        _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, s_div, inv_div, huge,
-                        seed, offset, mul16, COL_SR, COL_MULT)
+    # operand x^T (K, M): rows k, block columns b
+    k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
+    b = pid_b * BB + tl.arange(0, BB)
+    y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k).to(tl.float32)
+    offset = scalar_arg(coff_arg, COFF_PTR)
+    s_div, inv_div, huge = _scales(camax_ptr, co_ptr, k, K, c_mult, COL_PER_TOKEN, COL_MULT,
+                                   pid_b == 0, first)
+    if COL_RHT:
+        y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
+    _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, s_div, inv_div, huge,
+                    seed, offset, mul16, COL_SR, COL_MULT)
 
 
-@triton.autotune(configs=_configs(loop=True), key=_TUNE_KEYS,
+@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(
                      lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"])})
 @triton.jit
-def _quantize_1d_loop_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
-                             rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
-                             cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
-                             ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
-                             ROW_MULT: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
-                             COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
-                             SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
-                             BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
-    """The rowwise-only kernel (used when no columnwise copy is asked; it takes columnwise copies
-    too, but measured slower for the pairs than :func:`_quantize_1d_kernel`, 2026-11-20).
-    T tiles of (16 BB, 16 BC) elements of x per program, along K, in a loop that loads the
-    next tile while it quantizes the current one (register double buffering: the loads of a
-    warp overlap its arithmetic). Rowwise: a tile's (16 BB, BC, 16) row blocks; columnwise: its
-    (16 BC, BB, 16) column blocks, read separately (the second read of each line hits L1/L2)."""
+def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_ptr, s_ptr, o_ptr,
+                          amax_ptr, mult, off_arg, SR: tl.constexpr, PER_TOKEN: tl.constexpr,
+                          MULT: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
+                          BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
+    """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
+    than :func:`_quantize_1d_kernel`, 2026-11-20). T tiles of (16 BB, 16 BC) elements of x per
+    program, along K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it
+    quantizes the current one (register double buffering: the loads of a warp overlap its
+    arithmetic)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)
-    first = (pid_b == 0) & (pid_c == 0)
+    off = scalar_arg(off_arg, OFF_PTR)
     m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)  # rows of x
-    b = pid_b * BB + tl.arange(0, BB)  # block rows of x (block columns of x^T)
     c = pid_c * (T * BC) + tl.arange(0, BC)  # block columns of x, first tile
-    k = pid_c * (T * 16 * BC) + tl.arange(0, 16 * BC)  # columns of x (rows of x^T), first tile
-    if ROW:
-        r_off = scalar_arg(roff_arg, ROFF_PTR)
-        if ROW_PER_TOKEN:
-            r_div, r_inv, r_huge = _scales(ramax_ptr, ro_ptr, m[:, None], M, r_mult, True, ROW_MULT, pid_c == 0)
-        else:
-            r_div, r_inv, r_huge = _scales(ramax_ptr, ro_ptr, 0, 1, r_mult, False, ROW_MULT, first)
-        xr = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
-    if COL:
-        c_off = scalar_arg(coff_arg, COFF_PTR)
-        if not COL_PER_TOKEN:
-            c_div, c_inv, c_huge = _scales(camax_ptr, co_ptr, 0, 1, c_mult, False, COL_MULT, first)
-        if COL_RHT:
-            signs = tl.load(signs_ptr + tl.arange(0, 16))
-        xc = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
+    s_div, inv_div, huge = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
+                                   (pid_b == 0) & (pid_c == 0))
+    x = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
     for t in range(T):
-        more = t + 1 < T
-        if ROW:  # prefetch
-            xr_next = load_row_blocks(x_ptr, m, c + BC, M, K, stride_m, stride_k, more)
-        if COL:
-            xc_next = load_col_blocks(x_ptr, k + 16 * BC, b, M, K, stride_m, stride_k, more)
-        if ROW:  # operand x (M, K): rows m, block columns c
-            _quantize_store(xr.to(tl.float32), m[:, None], c[None, :], M, K, rq_ptr, rs_ptr,
-                            r_div, r_inv, r_huge, seed, r_off, mul16, ROW_SR, ROW_MULT)
-            xr = xr_next
-        if COL:  # operand x^T (K, M): rows k, block columns b
-            if COL_PER_TOKEN:
-                c_div, c_inv, c_huge = _scales(camax_ptr, co_ptr, k[:, None], K, c_mult, True, COL_MULT, pid_b == 0)
-            y = xc.to(tl.float32)
-            if COL_RHT:
-                y = rht16(y, signs)
-            _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, c_div, c_inv, c_huge,
-                            seed, c_off, mul16, COL_SR, COL_MULT)
-            xc = xc_next
+        x_next = load_row_blocks(x_ptr, m, c + BC, M, K, stride_m, stride_k, t + 1 < T)  # prefetch
+        _quantize_store(x.to(tl.float32), m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_div,
+                        inv_div, huge, seed, off, mul16, SR, MULT)
+        x = x_next
         c += BC
-        k += 16 * BC
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,25 +323,26 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
     seed_a, seed_p = _scalar(seed, dev)
     roff_a, roff_p = _scalar(row_offset, dev)
     coff_a, coff_p = _scalar(col_offset, dev)
-    dummy = x
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
-        kernel = _quantize_1d_loop_kernel
         grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"] * meta["T"]))
-    else:
-        kernel = _quantize_1d_kernel
-        grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
-    kernel[grid](
+        _quantize_rows_kernel[grid](
+            x, m, k, x.stride(0), x.stride(1), seed_a, 16, r.qdata.view(torch.int64), r.scale,
+            r.outer_scale, row_amax, float(row.amax_scale or 1.0), roff_a, SR=row.sr,
+            PER_TOKEN=row.per_token, MULT=row.amax_scale is not None, SEED_PTR=seed_p, OFF_PTR=roff_p)
+        return _as_e4m3(r), None
+    dummy = x
+    grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
+    _quantize_1d_kernel[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
         r.qdata.view(torch.int64) if r else dummy, r.scale if r else dummy,
         r.outer_scale if r else dummy, row_amax if r else dummy,
         float(row.amax_scale or 1.0) if r else 1.0, roff_a,
-        c.qdata.view(torch.int64) if c else dummy, c.scale if c else dummy,
-        c.outer_scale if c else dummy, col_amax if c else dummy,
-        float(col.amax_scale or 1.0) if c else 1.0, coff_a,
+        c.qdata.view(torch.int64), c.scale, c.outer_scale, col_amax,
+        float(col.amax_scale or 1.0), coff_a,
         ROW=r is not None, ROW_SR=bool(row and row.sr), ROW_PER_TOKEN=bool(row and row.per_token),
         ROW_MULT=bool(row and row.amax_scale is not None),
-        COL=c is not None, COL_RHT=bool(col and col.rht), COL_SR=bool(col and col.sr),
-        COL_PER_TOKEN=bool(col and col.per_token), COL_MULT=bool(col and col.amax_scale is not None),
+        COL_RHT=col.rht, COL_SR=col.sr, COL_PER_TOKEN=col.per_token,
+        COL_MULT=col.amax_scale is not None,
         SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
     return (_as_e4m3(r) if r else None, _as_e4m3(c) if c else None)
 
