@@ -4,7 +4,9 @@ For tokens M = 16384 and K in {4096, 14336}, bf16 input: the median time of each
 achieved bandwidth over the bytes it must move (input read once, codes and scales written once) and
 that bandwidth as a fraction of a device-to-device copy measured in the same run; beside them
 torchao 0.18's ``torch.compile``d ``NVFP4Tensor.to_nvfp4`` (rowwise, per-tensor scale) as the peer.
-Training runs an amax pass then a quantize pass; both are timed apart and together.
+Training runs an amax pass then a quantize pass; both are timed apart and together. The rows marked
+"(training)" are the variants NVFP4Linear runs on the Triton backend: the copies a GEMM uses at once
+are written as fp16 inner values (2 bytes an element) instead of codes and scales.
 
     python benchmarks/bench_quantize.py [--json out.json] [--warm-procs 8]
 
@@ -48,6 +50,12 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
          lambda: quantize_1d(x, X_ROW, X_COL, signs=signs, amaxes=both), 2 * n + 2 * copy_out),
         ("quantize dY rowwise SR + dY^T RHT SR", "quantize",
          lambda: quantize_1d(x, DY_ROW, DY_COL, signs=signs, amaxes=both, **sr), 2 * n + 2 * copy_out),
+        ("quantize X inner fp16 + X^T RHT RN (training)", "quantize",
+         lambda: quantize_1d(x, X_ROW._replace(inner=True), X_COL, signs=signs, amaxes=both),
+         2 * n + 2 * n + copy_out),
+        ("quantize dY inner fp16 + dY^T RHT SR inner (training)", "quantize",
+         lambda: quantize_1d(x, DY_ROW._replace(inner=True), DY_COL._replace(inner=True),
+                             signs=signs, amaxes=both, **sr), 2 * n + 4 * n),
         ("quantize W 2D (W and W^T)", "quantize", lambda: quantize_2d(x, amax=plain),
          2 * n + 2 * (n // 2 + n // 256)),
         ("total X fprop: amax + rowwise RN", "total", lambda: quantize_1d(x, X_ROW), 4 * n + copy_out),

@@ -64,6 +64,52 @@ class Backend:
         """D (M, N) = (s_a * s_b) * (A_deq @ B_deq^T) + bias for A (M, K) and B (N, K)."""
         return R.scaled_mm(a, b, a_block=a_block, b_block=b_block, bias=bias, out_dtype=out_dtype)
 
+    def linear_fprop(self, x: torch.Tensor, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
+                     xt_spec: Optional[OperandSpec], bias: Optional[torch.Tensor],
+                     out_dtype: torch.dtype, seed: R.IntOrTensor = 0,
+                     rht_signs: Optional[torch.Tensor] = None,
+                     ) -> Tuple[torch.Tensor, Optional[NVFP4Data]]:
+        """The fprop of an NVFP4 linear layer: Y = Q(x) @ W^T + bias.
+
+        x: (M, K) activations, quantized rowwise under ``x_spec`` (SR offset 0); w: W (N, K)
+        quantized with ``w_block`` blocks. With ``xt_spec`` also quantizes x^T (K, M) for wgrad
+        (from the same read where a backend fuses it). Returns (Y (M, N) of ``out_dtype``, the
+        X^T copy or None).
+        """
+        if xt_spec is None:
+            xq, xtq = self.quantize(x, x_spec, seed, 0, rht_signs), None
+        else:
+            xq, xtq = self.quantize_pair(x, x_spec, xt_spec, seed, 0, 0, rht_signs)
+        return self.scaled_mm(xq, w, "1d", w_block, bias, out_dtype), xtq
+
+    def linear_grads(self, dy: torch.Tensor, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data],
+                     w_block: str, dy_spec: OperandSpec, dyt_spec: OperandSpec,
+                     dx_dtype: torch.dtype, dw_dtype: torch.dtype, seed: R.IntOrTensor = 0,
+                     dy_offset: R.IntOrTensor = 0, dyt_offset: R.IntOrTensor = 0,
+                     rht_signs: Optional[torch.Tensor] = None,
+                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The dgrad and wgrad of an NVFP4 linear layer from dY (M, N).
+
+        dgrad (when ``wt``, the W^T (K, N) copy with ``w_block`` blocks, is given):
+        dX = Q(dY) @ (W^T)^T, dY quantized rowwise under ``dy_spec`` at SR offset ``dy_offset``.
+        wgrad (when ``xt``, the X^T (K, M) copy, is given): dW = Q(dY^T) @ (X^T)^T, dY^T (N, M)
+        quantized under ``dyt_spec`` at ``dyt_offset``. Returns (dX (M, K) of ``dx_dtype`` or None,
+        dW (N, K) of ``dw_dtype`` or None).
+        """
+        dyq = dytq = dx = dw = None
+        if wt is not None and xt is not None:
+            dyq, dytq = self.quantize_pair(dy, dy_spec, dyt_spec, seed, dy_offset, dyt_offset,
+                                           rht_signs)
+        elif wt is not None:
+            dyq = self.quantize(dy, dy_spec, seed, dy_offset, rht_signs)
+        elif xt is not None:
+            dytq = self.quantize(dy.t(), dyt_spec, seed, dyt_offset, rht_signs)
+        if dyq is not None:
+            dx = self.scaled_mm(dyq, wt, "1d", w_block, None, dx_dtype)
+        if dytq is not None:
+            dw = self.scaled_mm(dytq, xt, "1d", "1d", None, dw_dtype)
+        return dx, dw
+
 
 _BACKENDS = {"reference": Backend}
 _INSTANCES = {}

@@ -58,12 +58,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
             wq, wtq = ops.quantize_weight(weight, w_spec, backend)
         else:
             wq, wtq = ops.quantize(weight, w_spec, sr_seed, 0, None, backend), None
-        if need_dw:
-            xq, xtq = ops.quantize_pair(x2, x_spec, recipe.operand("x_wgrad"), sr_seed, 0, 0, signs,
-                                        backend)
-        else:
-            xq, xtq = ops.quantize(x2, x_spec, sr_seed, 0, None, backend), None
-        y = ops.scaled_mm(xq, wq, "1d", w_spec.block, bias, out_dtype, backend)
+        y, xtq = ops.linear_fprop(x2, wq, w_spec.block, x_spec,
+                                  recipe.operand("x_wgrad") if need_dw else None, bias, out_dtype,
+                                  sr_seed, signs, backend)
         ctx.recipe, ctx.backend, ctx.w_block = recipe, backend, w_spec.block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -81,19 +78,12 @@ class _NVFP4LinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         row, col = recipe.operand("dy_dgrad"), recipe.operand("dy_wgrad")
         with torch.autocast(dy.device.type, enabled=False):
-            if need_dx and need_dw:
-                dyq, dytq = ops.quantize_pair(dy2, row, col, seed, SR_OFFSETS["dy_dgrad"],
-                                              SR_OFFSETS["dy_wgrad"], signs, backend)
-            elif need_dx:
-                dyq = ops.quantize(dy2, row, seed, SR_OFFSETS["dy_dgrad"], signs, backend)
-            elif need_dw:
-                dytq = ops.quantize(dy2.t(), col, seed, SR_OFFSETS["dy_wgrad"], signs, backend)
-            dx = dw = db = None
-            if need_dx:
-                dx = ops.scaled_mm(dyq, wtq, "1d", ctx.w_block, None, ctx.x_dtype, backend)
-                dx = dx.reshape(ctx.x_shape)
-            if need_dw:
-                dw = ops.scaled_mm(dytq, xtq, "1d", "1d", None, ctx.w_dtype, backend)
+            dx, dw = ops.linear_grads(dy2, wtq if need_dx else None, xtq if need_dw else None,
+                                      ctx.w_block, row, col, ctx.x_dtype, ctx.w_dtype, seed,
+                                      SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"], signs, backend)
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
         return dx, dw, db, None, None, None, None, None, None

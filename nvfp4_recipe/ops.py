@@ -15,7 +15,7 @@ from .formats import BLOCK
 from .recipe import OperandSpec
 from .reference import NVFP4Data
 
-__all__ = ["quantize", "quantize_pair", "quantize_weight", "scaled_mm"]
+__all__ = ["quantize", "quantize_weight", "linear_fprop", "linear_grads"]
 
 
 def _flat(*datas: NVFP4Data) -> List[torch.Tensor]:
@@ -50,21 +50,6 @@ def _(x, spec, seed, offset, signs, backend):
     return _fake(x.shape[-2], x.shape[-1], OperandSpec.decode(spec), x.device, x.shape[:-2])
 
 
-@torch.library.custom_op("nvfp4_recipe::quantize_pair", mutates_args=())
-def _quantize_pair(x: torch.Tensor, row: str, col: str, seed: torch.Tensor, row_offset: int,
-                   col_offset: int, signs: Optional[torch.Tensor], backend: str) -> List[torch.Tensor]:
-    be = get_backend(backend, x.device)
-    return _flat(*be.quantize_pair(x, OperandSpec.decode(row), OperandSpec.decode(col), seed,
-                                   row_offset, col_offset, signs))
-
-
-@_quantize_pair.register_fake
-def _(x, row, col, seed, row_offset, col_offset, signs, backend):
-    m, k = x.shape
-    return (_fake(m, k, OperandSpec.decode(row), x.device)
-            + _fake(k, m, OperandSpec.decode(col), x.device))
-
-
 @torch.library.custom_op("nvfp4_recipe::quantize_weight", mutates_args=())
 def _quantize_weight(w: torch.Tensor, spec: str, backend: str) -> List[torch.Tensor]:
     return _flat(*get_backend(backend, w.device).quantize_weight(w, OperandSpec.decode(spec)))
@@ -77,19 +62,57 @@ def _(w, spec, backend):
     return _fake(n, k, s, w.device) + _fake(k, n, s, w.device)
 
 
-@torch.library.custom_op("nvfp4_recipe::scaled_mm", mutates_args=())
-def _scaled_mm(a_qdata: torch.Tensor, a_scale: torch.Tensor, a_outer: torch.Tensor,
-               b_qdata: torch.Tensor, b_scale: torch.Tensor, b_outer: torch.Tensor, a_block: str,
-               b_block: str, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-               backend: str) -> torch.Tensor:
-    be = get_backend(backend, a_qdata.device)
-    return be.scaled_mm(NVFP4Data(a_qdata, a_scale, a_outer), NVFP4Data(b_qdata, b_scale, b_outer),
-                        a_block, b_block, bias, out_dtype)
+def _spec(text: Optional[str]) -> Optional[OperandSpec]:
+    return None if text is None else OperandSpec.decode(text)
 
 
-@_scaled_mm.register_fake
-def _(a_qdata, a_scale, a_outer, b_qdata, b_scale, b_outer, a_block, b_block, bias, out_dtype, backend):
-    return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
+def _data(t: List[Optional[torch.Tensor]]) -> Optional[NVFP4Data]:
+    return None if t[0] is None else NVFP4Data(*t)
+
+
+@torch.library.custom_op("nvfp4_recipe::linear_fprop", mutates_args=())
+def _linear_fprop(x: torch.Tensor, w_qdata: torch.Tensor, w_scale: torch.Tensor,
+                  w_outer: torch.Tensor, w_block: str, x_spec: str, xt_spec: Optional[str],
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, seed: torch.Tensor,
+                  signs: Optional[torch.Tensor], backend: str) -> List[torch.Tensor]:
+    be = get_backend(backend, x.device)
+    y, xtq = be.linear_fprop(x, NVFP4Data(w_qdata, w_scale, w_outer), w_block, _spec(x_spec),
+                             _spec(xt_spec), bias, out_dtype, seed, signs)
+    return [y] + ([] if xtq is None else _flat(xtq))
+
+
+@_linear_fprop.register_fake
+def _(x, w_qdata, w_scale, w_outer, w_block, x_spec, xt_spec, bias, out_dtype, seed, signs, backend):
+    m, k = x.shape
+    y = x.new_empty((m, w_qdata.shape[0]), dtype=out_dtype)
+    return [y] + ([] if xt_spec is None else _fake(k, m, OperandSpec.decode(xt_spec), x.device))
+
+
+@torch.library.custom_op("nvfp4_recipe::linear_grads", mutates_args=())
+def _linear_grads(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor],
+                  wt_scale: Optional[torch.Tensor], wt_outer: Optional[torch.Tensor],
+                  xt_qdata: Optional[torch.Tensor], xt_scale: Optional[torch.Tensor],
+                  xt_outer: Optional[torch.Tensor], w_block: str, dy_spec: str, dyt_spec: str,
+                  dx_dtype: torch.dtype, dw_dtype: torch.dtype, seed: torch.Tensor,
+                  dy_offset: int, dyt_offset: int, signs: Optional[torch.Tensor],
+                  backend: str) -> List[torch.Tensor]:
+    be = get_backend(backend, dy.device)
+    dx, dw = be.linear_grads(dy, _data([wt_qdata, wt_scale, wt_outer]),
+                             _data([xt_qdata, xt_scale, xt_outer]), w_block, _spec(dy_spec),
+                             _spec(dyt_spec), dx_dtype, dw_dtype, seed, dy_offset, dyt_offset, signs)
+    return [t for t in (dx, dw) if t is not None]
+
+
+@_linear_grads.register_fake
+def _(dy, wt_qdata, wt_scale, wt_outer, xt_qdata, xt_scale, xt_outer, w_block, dy_spec, dyt_spec,
+      dx_dtype, dw_dtype, seed, dy_offset, dyt_offset, signs, backend):
+    m, n = dy.shape
+    out = []
+    if wt_qdata is not None:  # W^T is (K, N)
+        out.append(dy.new_empty((m, wt_qdata.shape[0]), dtype=dx_dtype))
+    if xt_qdata is not None:  # X^T is (K, M)
+        out.append(dy.new_empty((n, xt_qdata.shape[0]), dtype=dw_dtype))
+    return out
 
 
 # ------------------------------------------------------------------ typed wrappers for callers
@@ -98,20 +121,26 @@ def quantize(x, spec: OperandSpec, seed, offset: int, signs, backend: str) -> NV
     return NVFP4Data(*_quantize(x, spec.encode(), seed, offset, signs, backend))
 
 
-def quantize_pair(x, row: OperandSpec, col: OperandSpec, seed, row_offset: int, col_offset: int,
-                  signs, backend: str):
-    """``Backend.quantize_pair`` through the custom op: (rowwise, columnwise) NVFP4Data."""
-    t = _quantize_pair(x, row.encode(), col.encode(), seed, row_offset, col_offset, signs, backend)
-    return NVFP4Data(*t[:3]), NVFP4Data(*t[3:])
-
-
 def quantize_weight(w, spec: OperandSpec, backend: str):
     """``Backend.quantize_weight`` through the custom op: (W, W^T) NVFP4Data."""
     t = _quantize_weight(w, spec.encode(), backend)
     return NVFP4Data(*t[:3]), NVFP4Data(*t[3:])
 
 
-def scaled_mm(a: NVFP4Data, b: NVFP4Data, a_block: str, b_block: str, bias, out_dtype,
-              backend: str) -> torch.Tensor:
-    """``Backend.scaled_mm`` through the custom op."""
-    return _scaled_mm(*a, *b, a_block, b_block, bias, out_dtype, backend)
+def linear_fprop(x, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
+                 xt_spec: Optional[OperandSpec], bias, out_dtype, seed, signs, backend: str):
+    """``Backend.linear_fprop`` through the custom op: (Y, X^T NVFP4Data or None)."""
+    t = _linear_fprop(x, *w, w_block, x_spec.encode(), None if xt_spec is None else xt_spec.encode(),
+                      bias, out_dtype, seed, signs, backend)
+    return t[0], (NVFP4Data(*t[1:]) if xt_spec is not None else None)
+
+
+def linear_grads(dy, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data], w_block: str,
+                 dy_spec: OperandSpec, dyt_spec: OperandSpec, dx_dtype, dw_dtype, seed,
+                 dy_offset: int, dyt_offset: int, signs, backend: str):
+    """``Backend.linear_grads`` through the custom op: (dX or None, dW or None)."""
+    none3 = (None, None, None)
+    t = iter(_linear_grads(dy, *(wt or none3), *(xt or none3), w_block, dy_spec.encode(),
+                           dyt_spec.encode(), dx_dtype, dw_dtype, seed, dy_offset, dyt_offset,
+                           signs, backend))
+    return (next(t) if wt is not None else None), (next(t) if xt is not None else None)

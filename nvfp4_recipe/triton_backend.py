@@ -8,6 +8,11 @@ on the device and SR seeds/offsets may be device tensors.
 Layout of the work (kernels/quantize.py): a 1D operand is an amax pass plus one quantize pass that
 reads the (M, K) matrix once and writes the rowwise and/or columnwise copies; a 2D operand (weights)
 is an amax pass plus one pass writing W and its exact transpose.
+
+In NVFP4Linear (``linear_fprop``, ``linear_grads``) the copies a GEMM uses at once (X for fprop,
+dY for dgrad, dY^T for wgrad) are written as fp16 inner values (codes x block scales) instead of
+codes, so their GEMMs skip the dequantize pass of that operand (``gemm.inner_mm``); the values are
+exactly those the dequantize pass would give, so the results are the same bits.
 """
 
 from typing import Optional, Tuple
@@ -17,7 +22,7 @@ import torch
 from . import reference as R
 from .backends import Backend, register_backend, warn_once
 from .kernels import gemm as G
-from .kernels.quantize import CopySpec, Quantized, quantize_1d, quantize_2d
+from .kernels.quantize import CopySpec, Inner, Quantized, quantize_1d, quantize_2d
 from .recipe import OperandSpec
 from .reference import NVFP4Data
 
@@ -108,6 +113,39 @@ class TritonBackend(Backend):
         """``Backend.scaled_mm`` with the Triton NVFP4 GEMM (``kernels/gemm.py``)."""
         return G.scaled_mm(*a, *b, a_block=a_block, b_block=b_block, bias=bias, out_dtype=out_dtype)
 
+    def linear_fprop(self, x: torch.Tensor, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
+                     xt_spec: Optional[OperandSpec], bias: Optional[torch.Tensor],
+                     out_dtype: torch.dtype, seed: R.IntOrTensor = 0,
+                     rht_signs: Optional[torch.Tensor] = None,
+                     ) -> Tuple[torch.Tensor, Optional[NVFP4Data]]:
+        """``Backend.linear_fprop`` with X written as inner values (and X^T as codes) by one
+        quantize pass; the same bits as the reference composition."""
+        if not _inner_path(x, x_spec, xt_spec):
+            return super().linear_fprop(x, w, w_block, x_spec, xt_spec, bias, out_dtype, seed,
+                                        rht_signs)
+        xr, xc = _quantize_pair(x, x_spec, xt_spec, (True, False), seed, 0, 0, rht_signs)
+        return _inner_mm(xr, w, w_block, bias, out_dtype), None if xc is None else _data(xc)
+
+    def linear_grads(self, dy: torch.Tensor, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data],
+                     w_block: str, dy_spec: OperandSpec, dyt_spec: OperandSpec,
+                     dx_dtype: torch.dtype, dw_dtype: torch.dtype, seed: R.IntOrTensor = 0,
+                     dy_offset: R.IntOrTensor = 0, dyt_offset: R.IntOrTensor = 0,
+                     rht_signs: Optional[torch.Tensor] = None,
+                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``Backend.linear_grads`` with dY and dY^T written as inner values by one quantize pass;
+        the same bits as the reference composition."""
+        row = dy_spec if wt is not None else None
+        col = dyt_spec if xt is not None else None
+        if not _inner_path(dy, row, col) or (row is None and col is None):
+            return super().linear_grads(dy, wt, xt, w_block, dy_spec, dyt_spec, dx_dtype, dw_dtype,
+                                        seed, dy_offset, dyt_offset, rht_signs)
+        dyr, dyc = _quantize_pair(dy, row, col, (True, True), seed, dy_offset, dyt_offset,
+                                  rht_signs)
+        dx = None if dyr is None else _inner_mm(dyr, wt, w_block, None, dx_dtype)
+        del dyr  # frees dY's inner values before the wgrad GEMM
+        dw = None if dyc is None else _inner_mm(dyc, xt, "1d", None, dw_dtype)
+        return dx, dw
+
     def _quantize_2d(self, x, spec, seed, offset, signs) -> NVFP4Data:
         if spec.rht:  # RHT along K with 16x16 blocks: no recipe asks for it; the reference does it
             warn_once("triton backend: 2d blocks with RHT run on the reference implementation")
@@ -117,3 +155,37 @@ class TritonBackend(Backend):
             return _data(quantize_2d(x.t(), amax_scale=spec.amax_scale, write_w=False)[1])
         return _data(quantize_2d(x, sr=sr, seed=seed, offset=offset, amax_scale=spec.amax_scale,
                                  write_wt=False)[0])
+
+
+def _inner_path(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec]) -> bool:
+    """Whether the linear layer's inner-value path applies: a 2-D x, 1d copies with no RHT along
+    the rowwise one, on a GPU with E4M3 conversion or under the interpreter."""
+    if x.dim() != 2 or not (G._interpreting() or G.has_e4m3_convert(x.device)):
+        return False
+    return ((row is None or (row.block == "1d" and not row.rht))
+            and (col is None or col.block == "1d"))
+
+
+def _quantize_pair(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec],
+                   inner: Tuple[bool, bool], seed, row_offset, col_offset, rht_signs):
+    """quantize_1d of x's rowwise and columnwise copies (each None to skip), those ``inner``
+    names as :class:`Inner` values; a transposed view x is read through its base."""
+    for t, spec in ((x, row), (x.t(), col)):
+        if spec is not None:
+            R.check_input(t, spec.block, spec.scaling, spec.rounding)
+    signs = _signs(rht_signs, col) if col is not None else None
+    specs = [None if sp is None else _copy_spec(sp)._replace(inner=i)
+             for sp, i in ((row, inner[0]), (col, inner[1]))]
+    if _is_transposed_view(x) and specs[0] is not None and specs[1] is not None:
+        c, r = quantize_1d(x.t(), row=specs[1], col=specs[0], seed=seed, row_offset=col_offset,
+                           col_offset=row_offset, signs=signs)
+        return r, c
+    return quantize_1d(x, row=specs[0], col=specs[1], seed=seed, row_offset=row_offset,
+                       col_offset=col_offset, signs=signs)
+
+
+def _inner_mm(a: Inner, b: NVFP4Data, b_block: str, bias, out_dtype) -> torch.Tensor:
+    """A_inner @ B^T with B dequantized (one pass) and the outer scales in the epilogue."""
+    b_inner = G.dequantize_inner(b.qdata, b.scale, b_block, out_dtype=torch.float16)
+    return G.inner_mm(a.values, a.outer_scale, b_inner, b.outer_scale, bias=bias,
+                      out_dtype=out_dtype)

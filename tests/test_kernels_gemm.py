@@ -223,6 +223,33 @@ def test_bad_input_raises(overrides, error, match):
         G.scaled_mm(**_ops(**overrides))
 
 
+@pytest.mark.parametrize("method", G.METHODS[1:])
+def test_inner_mm_equals_scaled_mm(method):
+    """inner_mm on dequantized operands is the second pass of the two-pass methods: the same bits."""
+    gen = torch.Generator().manual_seed(15)
+    a = random_operand(48, 96, per_token=True, device=DEV, gen=gen)
+    b = random_operand(32, 96, "2d", device=DEV, gen=gen)
+    bias = torch.randn(32, generator=gen).to(DEV)
+    a16 = G.dequantize_inner(a.qdata, a.scale, "1d", torch.float16)
+    b16 = G.dequantize_inner(b.qdata, b.scale, "2d", torch.float16)
+    out = G.inner_mm(a16, a.outer_scale, b16, b.outer_scale, bias=bias, method=method)
+    assert torch.equal(out, run_gemm(a, b, "1d", "2d", bias=bias, method=method))
+
+
+def test_inner_mm_bad_input_raises():
+    v, o = torch.zeros(32, 64, dtype=torch.float16), torch.ones(())
+    with pytest.raises(TypeError, match="float16"):
+        G.inner_mm(v.bfloat16(), o, v, o)
+    with pytest.raises(ValueError, match="contiguous"):
+        G.inner_mm(torch.zeros(64, 32, dtype=torch.float16).t(), o, v, o)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.inner_mm(v[:, :40], o, v[:, :40], o)
+    with pytest.raises(ValueError, match="K mismatch"):
+        G.inner_mm(v, o, v[:, :48].contiguous(), o)
+    with pytest.raises(ValueError, match="method"):
+        G.inner_mm(v, o, v, o, method="fused")
+
+
 def test_bad_options_raise():
     with pytest.raises(ValueError, match="2d blocks need rows"):
         G.scaled_mm(**_ops(a_qdata=torch.zeros(8, 32, dtype=torch.uint8),

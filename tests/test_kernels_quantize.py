@@ -14,6 +14,8 @@ from nvfp4_recipe.backends import Backend, get_backend
 from nvfp4_recipe.formats import E2M1_GRID, e2m1_encode_rn
 from nvfp4_recipe.kernels import amax as A
 from nvfp4_recipe.kernels import common as C
+from nvfp4_recipe.kernels.quantize import quantize_1d
+from nvfp4_recipe import triton_backend as TB
 from nvfp4_recipe.recipe import NVFP4Recipe, OperandSpec
 
 REF = Backend()
@@ -174,6 +176,42 @@ def test_quantize_pair_matches_reference(name, row, col):
     assert_same(out[1], ref[1])
 
 
+def check_inner_copies(x, row, col, inner, **kw):
+    """quantize_1d with the copies ``inner`` names written as inner values: those equal the
+    dequantized reference codes exactly (fp16), the others the reference codes."""
+    specs = [None if s is None else TB._copy_spec(s)._replace(inner=i) for s, i in ((row, inner[0]), (col, inner[1]))]
+    out = quantize_1d(x, *specs, seed=kw["seed"], row_offset=kw["row_offset"],
+                      col_offset=kw["col_offset"], signs=kw["rht_signs"])
+    refs = (REF.quantize(x, row, kw["seed"], kw["row_offset"], kw["rht_signs"]) if row else None,
+            REF.quantize(x.t(), col, kw["seed"], kw["col_offset"], kw["rht_signs"]) if col else None)
+    for o, ref, is_inner in zip(out, refs, inner):
+        if ref is None:
+            continue
+        if not is_inner:
+            assert_same(TB._data(o), ref)
+            continue
+        assert o.values.dtype == torch.float16
+        want = R.dequantize_inner(ref.qdata, ref.scale).to(o.values.device)
+        assert torch.equal(o.values.float(), want), (o.values.float() != want).nonzero()[:5]
+        assert torch.equal(o.outer_scale, ref.outer_scale.to(o.outer_scale.device))
+
+
+@pytest.mark.parametrize("inner", [(True, True), (True, False), (False, True)], ids=idfn)
+@pytest.mark.parametrize("name,row,col", _recipe_pairs(), ids=[p[0] for p in _recipe_pairs()])
+def test_inner_copies_equal_dequantized_codes(name, row, col, inner):
+    x = rand((48, 80), seed=4)
+    check_inner_copies(x, row, col, inner, seed=torch.tensor(5), row_offset=7, col_offset=2**31,
+                       rht_signs=signs_for())
+
+
+@pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr")], ids=idfn)
+def test_inner_rowwise_only(sp):
+    """The rowwise-only (prefetch loop) kernel with inner values."""
+    x = rand((40, 208), torch.float32, seed=6)
+    check_inner_copies(x, sp, None, (True, False), seed=3, row_offset=9,
+                       col_offset=0, rht_signs=signs_for())
+
+
 @pytest.mark.parametrize("block", ["1d", "2d"])
 def test_quantize_weight_matches_reference(block):
     w = rand((32, 64), seed=2)
@@ -259,6 +297,16 @@ def test_cuda_pair(shape, name, row, col, device):
     ref = REF.quantize_pair(x, row, col, **kw)
     assert_same(out[0], ref[0])
     assert_same(out[1], ref[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,row,col", _recipe_pairs(), ids=[p[0] for p in _recipe_pairs()])
+def test_cuda_inner_copies(name, row, col, device):
+    x = rand((16400, 4112), device=device, seed=10)
+    kw = dict(seed=torch.tensor(98, device=device), row_offset=5, col_offset=2**31 + 3,
+              rht_signs=signs_for().to(device))
+    check_inner_copies(x, row, col, (True, True), **kw)
+    check_inner_copies(x, row, None, (True, False), **kw)
 
 
 @pytest.mark.cuda

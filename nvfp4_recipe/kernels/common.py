@@ -95,12 +95,13 @@ def e4m3_rne(s):
 def block_scale(bamax, s_div, inv_div):
     """Spec items 2-3 for blocks with fp32 amax ``bamax`` (s_div, inv_div broadcast against it).
 
-    Returns (E4M3 code of the block scale as int32, fp32 multiplier (1 / s_div) / scale).
+    Returns (E4M3 code of the block scale as int32, its fp32 value, fp32 multiplier
+    (1 / s_div) / scale).
     """
     s = div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), s_div)
     s = tl.where(s > 448.0, 448.0, tl.where(s < 0.015625, 0.015625, s))  # NaN passes, as torch.clamp
     code, value = e4m3_rne(s)
-    return code, div_rn(inv_div, value)
+    return code, value, div_rn(inv_div, value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,6 +282,22 @@ def encode16(v, bits, bad, huge, mul16, SR: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def inner16(v, bits, scale, huge, mul16, SR: tl.constexpr, CLAMP: tl.constexpr):
+    """Inner values (E2M1 value x block scale) of scaled block values ``v`` (A, B, 16) whose block
+    scales are ``scale`` ((A, B) fp32 E4M3 values): (A, B, 16) float16, exact, what
+    ``gemm.dequantize_inner`` gives for the codes :func:`encode16` writes (NaN for a NaN scale).
+
+    A code (s e1 e0 m) becomes the E4M3 byte (s 0 0 e1 e0 m 0 0), worth value * 2**-6, which the
+    conversion to fp16 (hardware on sm89+) and one fp16 multiply by scale * 64 finish, exactly
+    (0 or 2**-10 ... 2688, at most 6 significant bits); the code offsets times 4 vanish mod 256.
+    """
+    mul4 = mul16 // 4
+    c, s = nibbles(v, bits, huge, (mul4 // 2).to(tl.uint32), SR, CLAMP)
+    e4m3 = (c * mul4 + s * (mul4 * 32)).to(tl.uint8)
+    return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16) * (scale * 64.0).to(tl.float16)[:, :, None]
+
+
+@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -310,20 +327,25 @@ def bits_to_float(m, dtype: tl.constexpr):
 
 @triton.jit
 def quantize_block(y, s_div, inv_div, huge, seed, counter, mul16, SR: tl.constexpr,
-                   CLAMP: tl.constexpr):
+                   CLAMP: tl.constexpr, INNER: tl.constexpr):
     """Quantize fp32 (A, B, 16) blocks along the last axis (spec items 2-6).
 
     s_div, inv_div: outer scale divisor and its reciprocal, broadcasting against (A, B).
     huge: scalar, true if some inv_div >= 2**122 (then 1/s_div/scale may overflow: exact slow path).
     counter: (A, B) uint32 Philox counter of elements 0-7 of each block (SR only).
-    Returns ((A, B) uint64 words of the 16 packed codes, (A, B) int32 E4M3 scale codes).
+    Returns ((A, B) uint64 words of the 16 packed codes, (A, B) int32 E4M3 scale codes), or with
+    INNER the (A, B, 16) float16 inner values of :func:`inner16` (and the scale codes).
     """
-    scode, recip = block_scale(abs_max16(y), s_div, inv_div)
+    scode, scale, recip = block_scale(abs_max16(y), s_div, inv_div)
     v = y * recip[:, :, None]
     bits = 0
     if SR:
         bits = bits16(seed, counter)
-    return encode16(v, bits, recip != recip, huge, mul16, SR, CLAMP), scode
+    if INNER:
+        out = inner16(v, bits, scale, huge, mul16, SR, CLAMP)
+    else:
+        out = encode16(v, bits, recip != recip, huge, mul16, SR, CLAMP)
+    return out, scode
 
 
 # ----------------------------------------------------------------------------------------------

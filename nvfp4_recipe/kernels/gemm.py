@@ -19,7 +19,8 @@ M = 16384, K, N in {4096, 14336} (benchmarks/bench_gemm.py, docs/benchmarks.md):
 
 - ``"dequant_triton"`` (0.97-1.0, the default on sm90+): a dequantize kernel writes A_inner and
   B_inner to memory (~3.3 TB/s), then a persistent Triton GEMM reads them through TMA descriptors
-  (wgmma, pipelined) and applies the fp32 epilogue to its accumulator.
+  (wgmma, pipelined) and applies the fp32 epilogue to its accumulator. :func:`inner_mm` is this
+  second pass alone, for operands whose inner values a quantize kernel wrote directly.
 - ``"dequant_cublas"`` (0.80-0.86; the default before sm90 and under the interpreter): the same
   dequantize kernel, cuBLAS ``torch.mm(..., out_dtype=torch.float32)``, then a Triton epilogue pass
   over the fp32 product (the fp32 round trip costs what the Triton GEMM saves).
@@ -30,9 +31,7 @@ M = 16384, K, N in {4096, 14336} (benchmarks/bench_gemm.py, docs/benchmarks.md):
   waits for each wgmma before the next dequantization, so the dequantization does not overlap the
   tensor cores within a block and the kernel is bound by it.
 
-The two-pass methods store the inner values with the same permutation of K inside each tile (even
-elements, then odd ones), which leaves A_inner @ B_inner^T unchanged; :func:`dequantize_inner` (the
-public dequantization) writes them in order.
+Inner values in memory are in the order of K (:func:`dequantize_inner` writes what the GEMMs read).
 
 This module imports nothing from the rest of the package. Under ``TRITON_INTERPRET=1`` (CPU tests)
 dots run on fp32 operands and 16-bit outputs are cast by torch, because the interpreter's 16-bit dot
@@ -79,7 +78,8 @@ def _e2m1_to_f32(code):
 # (s e1 e0 m) becomes the E4M3 byte (s 0 0 e1 e0 m 0 0): exponent field e, mantissa m/2, so its value
 # is the E2M1 value times 2**-6 (code 1 = 0.5 is an E4M3 subnormal, exact); the hardware converts
 # E4M3 pairs to fp16 pairs (sm89+), and one fp16 multiply by (block scale * 64) gives code x scale,
-# exact in fp16 (0 or 2**-10 ... 2688, at most 6 significant bits).
+# exact in fp16 (0 or 2**-10 ... 2688, at most 6 significant bits). Elementwise: byte i of the pack
+# gives output i of each result (low nibble, high nibble), whichever bytes Triton packs together.
 _DEQUANT_PTX = tl.constexpr("""
 {
 .reg .b32 a, b, lo, hi;
@@ -270,32 +270,23 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, KB, stride_q, stride_s, stride_o,
                     BLOCK_2D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr,
-                    EVEN_K: tl.constexpr, PERMUTED: tl.constexpr, PTX: tl.constexpr):
-    """Codes x block scales of one (BR rows, H bytes) tile into columns [2*kb, 2*kb + 2*w), w the
-    tile's bytes in range: in order, or PERMUTED (the w even elements, then the w odd ones).
-    A 1-D grid with the tiles of a row band fastest, so that the programs running together read
-    and write whole rows rather than a column strip of the whole matrix (0.067 -> 0.062 ms for both
-    operands at 16384 x 4096 x 4096 on the H200, one run each)."""
+                    EVEN_K: tl.constexpr, PTX: tl.constexpr):
+    """Codes x block scales of one (BR rows, H bytes) tile into columns [2*kb, 2*kb + 2*H) (those
+    in range), in order. A 1-D grid with the tiles of a row band fastest, so that the programs
+    running together read and write whole rows rather than a column strip of the whole matrix
+    (0.067 -> 0.062 ms for both operands at 16384 x 4096 x 4096 on the H200, one run each)."""
     n_kb = tl.cdiv(KB, H)
     rows = (tl.program_id(0) // n_kb) * BR + tl.arange(0, BR)
     kb = (tl.program_id(0) % n_kb) * H
     lo, hi = _load_dequant(q_ptr, s_ptr, rows % R, kb, KB, stride_q, stride_s, BR, H, BLOCK_2D,
                            EVEN_K, PTX)
-    dtype = out_ptr.dtype.element_ty
-    row_ptrs = out_ptr + rows[:, None] * stride_o + 2 * kb
+    v = tl.reshape(tl.join(lo, hi), (BR, 2 * H))
+    cols = tl.arange(0, 2 * H)[None, :]
     mask = (rows < R)[:, None]
-    j = tl.arange(0, H)[None, :]
-    if PERMUTED:
-        w = tl.minimum(KB - kb, H)
-        if not EVEN_K:
-            mask = mask & (j < w)
-        tl.store(row_ptrs + j, lo.to(dtype), mask=mask)
-        tl.store(row_ptrs + w + j, hi.to(dtype), mask=mask)
-    else:
-        cols = tl.arange(0, 2 * H)[None, :]
-        if not EVEN_K:
-            mask = mask & (cols < 2 * (KB - kb))
-        tl.store(row_ptrs + cols, tl.reshape(tl.join(lo, hi), (BR, 2 * H)).to(dtype), mask=mask)
+    if not EVEN_K:
+        mask = mask & (cols < 2 * (KB - kb))
+    tl.store(out_ptr + rows[:, None] * stride_o + 2 * kb + cols, v.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +307,40 @@ class Operand(NamedTuple):
     @property
     def k(self) -> int:
         return 2 * self.qdata.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+
+class InnerOperand(NamedTuple):
+    """A validated dequantized operand (rows, K): fp16 inner values (codes x block scales, K
+    contiguous) and the fp32 outer scale."""
+
+    values: torch.Tensor
+    outer: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+
+def _check_outer(name: str, outer: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    if outer.dtype != torch.float32:
+        raise TypeError(f"{name}: the outer scale must be float32, got {outer.dtype}")
+    if outer.dim() != 0 and tuple(outer.shape) != (rows,):
+        raise ValueError(f"{name}: the outer scale must be () or ({rows},), got {tuple(outer.shape)}")
+    if outer.device != device:
+        raise ValueError(f"{name}: the outer scale is on {outer.device}, the data on {device}")
+    return outer.contiguous()
 
 
 def check_operand(name: str, qdata: torch.Tensor, scale: torch.Tensor,
@@ -354,14 +379,26 @@ def check_operand(name: str, qdata: torch.Tensor, scale: torch.Tensor,
         if t.device != qdata.device:
             raise ValueError(f"{name}: {what} is on {t.device}, qdata on {qdata.device}")
     if outer is not None:
-        if outer.dtype != torch.float32:
-            raise TypeError(f"{name}: the outer scale must be float32, got {outer.dtype}")
-        if outer.dim() != 0 and tuple(outer.shape) != (rows,):
-            raise ValueError(f"{name}: the outer scale must be () or ({rows},), got {tuple(outer.shape)}")
-        if outer.device != qdata.device:
-            raise ValueError(f"{name}: the outer scale is on {outer.device}, qdata on {qdata.device}")
-        outer = outer.contiguous()
+        outer = _check_outer(name, outer, rows, qdata.device)
     return Operand(qdata, scale, outer, block)
+
+
+def check_inner(name: str, values: torch.Tensor, outer: torch.Tensor) -> InnerOperand:
+    """Validate one dequantized operand for :func:`inner_mm`.
+
+    Raises:
+        TypeError: values not float16, outer not float32.
+        ValueError: values not a contiguous 2-D tensor with K a multiple of 16, a wrongly shaped
+            outer scale, or tensors on different devices.
+    """
+    if values.dtype != torch.float16:
+        raise TypeError(f"{name}: inner values must be float16, got {values.dtype}")
+    if values.dim() != 2 or values.shape[1] % BLOCK:
+        raise ValueError(f"{name}: inner values must be (rows, K) with K a multiple of {BLOCK}, got "
+                         f"{tuple(values.shape)}")
+    if not values.is_contiguous():
+        raise ValueError(f"{name}: inner values must be contiguous, got strides {values.stride()}")
+    return InnerOperand(values, _check_outer(name, outer, values.shape[0], values.device))
 
 
 def _check_runnable(device: torch.device) -> None:
@@ -370,19 +407,20 @@ def _check_runnable(device: torch.device) -> None:
                          f"them in the Triton interpreter), got tensors on {device}")
 
 
-def _check_gemm(a: Operand, b: Operand, bias: Optional[torch.Tensor], out_dtype) -> None:
+def _check_gemm(a, b, bias: Optional[torch.Tensor], out_dtype) -> None:
+    """Checks across two validated operands (:class:`Operand` or :class:`InnerOperand`)."""
     if a.k != b.k:
         raise ValueError(f"K mismatch: A is ({a.rows}, {a.k}), B is ({b.rows}, {b.k})")
-    if a.qdata.device != b.qdata.device:
-        raise ValueError(f"A is on {a.qdata.device}, B on {b.qdata.device}")
+    if a.device != b.device:
+        raise ValueError(f"A is on {a.device}, B on {b.device}")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if bias is not None:
         if tuple(bias.shape) != (b.rows,) or not bias.is_floating_point():
             raise ValueError(f"bias must be a floating ({b.rows},) tensor, got {bias.dtype} "
                              f"{tuple(bias.shape)}")
-        if bias.device != a.qdata.device:
-            raise ValueError(f"bias is on {bias.device}, the operands on {a.qdata.device}")
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device}, the operands on {a.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,10 +451,10 @@ def _finish(out: torch.Tensor, out_dtype) -> torch.Tensor:
     return out.to(out_dtype)
 
 
-def _epilogue_args(a: Operand, b: Operand, bias: Optional[torch.Tensor]):
+def _epilogue_args(a_outer: torch.Tensor, b_outer: torch.Tensor, bias: Optional[torch.Tensor]):
     """(s_a, s_b, bias pointer), the outer scales' strides (1 per-token, 0 per-tensor), flags."""
-    bias_arg = bias if bias is not None else a.outer  # a dummy pointer when HAS_BIAS is False
-    return (a.outer, b.outer, bias_arg), (int(a.outer.dim() == 1), int(b.outer.dim() == 1)), \
+    bias_arg = bias if bias is not None else a_outer  # a dummy pointer when HAS_BIAS is False
+    return (a_outer, b_outer, bias_arg), (int(a_outer.dim() == 1), int(b_outer.dim() == 1)), \
         dict(HAS_BIAS=bias is not None)
 
 
@@ -426,10 +464,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def has_e4m3_convert(device: torch.device) -> bool:
+    """Whether ``device`` converts E4M3 to fp16 in hardware (CUDA sm89+), which the inline-PTX
+    dequantization and the quantize kernels' inner-value output need."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _ptx_dequant(device: torch.device) -> bool:
-    """Whether the fused kernel can use the inline-PTX dequantization (E4M3 conversion: sm89+)."""
-    return (not _interpreting() and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    """Whether the kernels can use the inline-PTX dequantization (a GPU with E4M3 conversion)."""
+    return not _interpreting() and has_e4m3_convert(device)
 
 
 def _launch_fused(a: Operand, b: Operand, bias, out_dtype, cfg: Optional[dict] = None):
@@ -437,7 +480,7 @@ def _launch_fused(a: Operand, b: Operand, bias, out_dtype, cfg: Optional[dict] =
     cfg = dict(_INTERP_CONFIG if _interpreting() else (cfg or FUSED_CONFIG))
     m, n, kb = a.rows, b.rows, a.k // 2
     out = _kernel_out(m, n, out_dtype, a.qdata.device)
-    scales, strides, flags = _epilogue_args(a, b, bias)
+    scales, strides, flags = _epilogue_args(a.outer, b.outer, bias)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
     LAST_KERNEL["fused"] = _fused_gemm_kernel[grid](
         a.qdata, a.scale, b.qdata, b.scale, *scales, out, m, n, kb,
@@ -447,8 +490,8 @@ def _launch_fused(a: Operand, b: Operand, bias, out_dtype, cfg: Optional[dict] =
     return _finish(out, out_dtype)
 
 
-def _launch_gemm(a_inner: torch.Tensor, b_inner: torch.Tensor, a: Operand, b: Operand, bias,
-                 out_dtype, cfg: Optional[dict] = None):
+def _launch_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
+                 b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict] = None):
     """Second pass of "dequant_triton": the TMA GEMM over 16-bit inner values (sm90+)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -457,9 +500,9 @@ def _launch_gemm(a_inner: torch.Tensor, b_inner: torch.Tensor, a: Operand, b: Op
     elif cfg is None:
         cfg = dict(GEMM_CONFIG, EPI_SPLIT=2 if out_dtype == torch.float32 else 1)
     cfg = dict(cfg)
-    m, n, k = a.rows, b.rows, a.k
-    out = _kernel_out(m, n, out_dtype, a.qdata.device)
-    scales, strides, flags = _epilogue_args(a, b, bias)
+    (m, k), n = a_inner.shape, b_inner.shape[0]
+    out = _kernel_out(m, n, out_dtype, a_inner.device)
+    scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     a_desc = TensorDescriptor.from_tensor(a_inner, [cfg["BM"], cfg["BK"]])
     b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
     num_sms = _num_sms(a_inner.device)
@@ -477,34 +520,34 @@ def _mm_f32(a_inner: torch.Tensor, b_inner: torch.Tensor) -> torch.Tensor:
     return torch.mm(a_inner.float(), b_inner.float().t())
 
 
-def apply_epilogue(c: torch.Tensor, a: Operand, b: Operand, bias, out_dtype,
+def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor, bias, out_dtype,
                    cfg: Optional[dict] = None) -> torch.Tensor:
     """(s_a * s_b) * C + bias for an fp32 (M, N) product C, one fp32 pass; in place for fp32 out."""
     cfg = dict(cfg or EPILOGUE_CONFIG)
     m, n = c.shape
     out = c if out_dtype == torch.float32 else _kernel_out(m, n, out_dtype, c.device)
-    scales, strides, flags = _epilogue_args(a, b, bias)
+    scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(n, cfg["BN"]))
     LAST_KERNEL["epilogue"] = _epilogue_kernel[grid](c, *scales, out, m, n, c.stride(0), *strides,
                                                      out.stride(0), **flags, **cfg)
     return _finish(out, out_dtype)
 
 
-def _dequantize(op: Operand, out_dtype, permuted: bool, cfg: Optional[dict] = None) -> torch.Tensor:
+def _dequantize(op: Operand, out_dtype, cfg: Optional[dict] = None) -> torch.Tensor:
     """Launch :func:`_dequant_kernel` on a validated operand; (rows, K) of ``out_dtype``."""
     cfg = dict(cfg or DEQUANT_CONFIG)
     if _interpreting():
         cfg = dict(BR=16, BK=64, num_warps=4)
     h = cfg.pop("BK") // 2
     kb = op.k // 2
-    ptx = permuted and out_dtype == torch.float16 and _ptx_dequant(op.qdata.device)
+    ptx = out_dtype == torch.float16 and _ptx_dequant(op.qdata.device)
     out = torch.empty((op.rows, op.k), dtype=out_dtype, device=op.qdata.device)
     if out.numel() == 0:
         return out
     grid = (triton.cdiv(op.rows, cfg["BR"]) * triton.cdiv(kb, h),)
     LAST_KERNEL["dequant"] = _dequant_kernel[grid](op.qdata, op.scale, out, op.rows, kb, op.qdata.stride(0),
                           op.scale.stride(0), out.stride(0), BLOCK_2D=op.block == "2d", H=h,
-                          EVEN_K=kb % h == 0, PERMUTED=permuted, PTX=ptx, **cfg)
+                          EVEN_K=kb % h == 0, PTX=ptx, **cfg)
     return out
 
 
@@ -523,20 +566,19 @@ def dequantize_inner(qdata: torch.Tensor, scale: torch.Tensor, block: str = "1d"
     """
     op = check_operand("operand", qdata, scale, None, block)
     _check_runnable(op.qdata.device)
-    return _dequantize(op, out_dtype, False)
+    return _dequantize(op, out_dtype)
 
 
 def _inner_pair(a: Operand, b: Operand, cfg: Optional[dict] = None):
-    """A_inner and B_inner for a two-pass GEMM: fp16 (exact) with the same permutation of K inside
-    every tile of H bytes (even elements, then odd ones), which leaves A_inner @ B_inner^T as is."""
-    return (_dequantize(a, torch.float16, True, cfg), _dequantize(b, torch.float16, True, cfg))
+    """A_inner and B_inner for a two-pass GEMM, fp16 (exact)."""
+    return _dequantize(a, torch.float16, cfg), _dequantize(b, torch.float16, cfg)
 
 
-def _empty_product(a: Operand, b: Operand, bias, out_dtype) -> torch.Tensor:
+def _empty_product(a_outer, b_outer, m: int, n: int, bias, out_dtype) -> torch.Tensor:
     """The result when M, N or K is 0 (no kernel launch): the epilogue applied to zeros."""
-    s_a = a.outer[:, None] if a.outer.dim() else a.outer
-    s_b = b.outer[None, :] if b.outer.dim() else b.outer
-    d = (s_a * s_b) * torch.zeros((a.rows, b.rows), device=a.qdata.device)
+    s_a = a_outer[:, None] if a_outer.dim() else a_outer
+    s_b = b_outer[None, :] if b_outer.dim() else b_outer
+    d = (s_a * s_b) * torch.zeros((m, n), device=a_outer.device)
     return (d if bias is None else d + bias.float()).to(out_dtype)
 
 
@@ -586,12 +628,52 @@ def scaled_mm(a_qdata: torch.Tensor, a_scale: torch.Tensor, a_outer: torch.Tenso
         method = default_method(a.rows, b.rows, a.k, a.qdata.device)
     if method not in METHODS:
         raise ValueError(f"method must be 'auto' or one of {METHODS}, got {method!r}")
-    _check_runnable(a.qdata.device)
+    _check_runnable(a.device)
     if a.rows == 0 or b.rows == 0 or a.k == 0:
-        return _empty_product(a, b, bias, out_dtype)
+        return _empty_product(a.outer, b.outer, a.rows, b.rows, bias, out_dtype)
     if method == "fused":
         return _launch_fused(a, b, bias, out_dtype)
     a_inner, b_inner = _inner_pair(a, b)
-    if method == "dequant_triton":
-        return _launch_gemm(a_inner, b_inner, a, b, bias, out_dtype)
-    return apply_epilogue(_mm_f32(a_inner, b_inner), a, b, bias, out_dtype)
+    return _second_pass(InnerOperand(a_inner, a.outer), InnerOperand(b_inner, b.outer), bias,
+                        out_dtype, method == "dequant_triton")
+
+
+def _second_pass(a: InnerOperand, b: InnerOperand, bias, out_dtype, triton_gemm: bool):
+    """The GEMM of the two-pass methods: the Triton TMA GEMM or cuBLAS plus the epilogue pass."""
+    if triton_gemm:
+        return _launch_gemm(a.values, a.outer, b.values, b.outer, bias, out_dtype)
+    return apply_epilogue(_mm_f32(a.values, b.values), a.outer, b.outer, bias, out_dtype)
+
+
+def inner_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
+             b_outer: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+             out_dtype: torch.dtype = torch.bfloat16, method: str = "auto") -> torch.Tensor:
+    """D = (s_a * s_b) * (A_inner @ B_inner^T) + bias from operands already dequantized to their
+    inner values: the second pass of the two-pass :func:`scaled_mm` methods, for operands that a
+    quantize kernel wrote as inner values (``kernels.quantize.CopySpec(inner=True)``) or that
+    :func:`dequantize_inner` gave.
+
+    Args:
+        a_inner, a_outer: A (M, K): float16 inner values (codes x block scales, contiguous) and the
+            float32 outer scale, () or (M,).
+        b_inner, b_outer: B (N, K), likewise; outer () or (N,).
+        bias, out_dtype: as :func:`scaled_mm`.
+        method: "auto" (the rule of :func:`default_method`), "dequant_triton" (the Triton TMA GEMM,
+            sm90+) or "dequant_cublas" (cuBLAS fp32 product, then the epilogue pass).
+    Returns:
+        (M, N) tensor of ``out_dtype``: the same value :func:`scaled_mm` gives for the quantized
+        operands with the same method.
+    Raises:
+        TypeError, ValueError: see :func:`check_inner` and :func:`scaled_mm`.
+    """
+    a = check_inner("A", a_inner, a_outer)
+    b = check_inner("B", b_inner, b_outer)
+    _check_gemm(a, b, bias, out_dtype)
+    if method == "auto":
+        method = default_method(a.rows, b.rows, a.k, a.device)
+    if method not in METHODS[1:]:
+        raise ValueError(f"method must be 'auto' or one of {METHODS[1:]}, got {method!r}")
+    _check_runnable(a.device)
+    if a.rows == 0 or b.rows == 0 or a.k == 0:
+        return _empty_product(a.outer, b.outer, a.rows, b.rows, bias, out_dtype)
+    return _second_pass(a, b, bias, out_dtype, method == "dequant_triton")

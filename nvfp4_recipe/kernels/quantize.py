@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import amax as A
+from .gemm import has_e4m3_convert
 from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
                      load_col_blocks, load_row_blocks, outer_scale, prune_wide_tiles, quantize_block,
                      rht16, scalar_arg)
@@ -42,12 +43,15 @@ class CopySpec(NamedTuple):
     per_token: one outer scale per row of the copy (else per tensor).
     amax_scale: None (measure the amax of what is quantized) or the factor applied to the amax of
         the untransformed input instead (amax estimation, spec item 8).
+    inner: write the copy's inner values (codes x block scales, fp16) instead of its codes and
+        scales, for a GEMM that uses it at once (``gemm.inner_mm``: no dequantize pass).
     """
 
     sr: bool = False
     rht: bool = False
     per_token: bool = False
     amax_scale: Optional[float] = None
+    inner: bool = False
 
 
 class Quantized(NamedTuple):
@@ -56,6 +60,14 @@ class Quantized(NamedTuple):
 
     qdata: torch.Tensor
     scale: torch.Tensor
+    outer_scale: torch.Tensor
+
+
+class Inner(NamedTuple):
+    """A copy written as inner values: values float16 (R, C), codes x block scales in order
+    (``gemm.dequantize_inner`` of the codes, exactly); outer_scale fp32 () or (R,)."""
+
+    values: torch.Tensor
     outer_scale: torch.Tensor
 
 
@@ -113,28 +125,36 @@ def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.co
 
 @triton.jit
 def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div, huge, seed,
-                    offset, mul16, SR: tl.constexpr, CLAMP: tl.constexpr):
+                    offset, mul16, SR: tl.constexpr, CLAMP: tl.constexpr, INNER: tl.constexpr):
     """Quantize fp32 (BB, BC, 16) blocks of operand rows ``row`` and block columns ``blk``
     (index tensors broadcasting to (BB, BC)) of an (n_rows, n_cols) operand; store the codes at
-    q_ptr (int64 view of the (n_rows, n_cols / 2) bytes) and the scales at s_ptr."""
+    q_ptr (int64 view of the (n_rows, n_cols / 2) bytes) and the scales at s_ptr, or with INNER
+    the fp16 inner values at q_ptr ((n_rows, n_cols); s_ptr unused)."""
     counter = _u32(offset) + _u32(row) * _u32(n_cols // 8) + _u32(blk) * 2
-    words, scode = quantize_block(y, s_div, inv_div, huge, seed, counter, mul16, SR, CLAMP)
-    idx = row * (n_cols // 16) + blk
+    out, scode = quantize_block(y, s_div, inv_div, huge, seed, counter, mul16, SR, CLAMP, INNER)
     mask = (row < n_rows) & (blk < n_cols // 16)
-    tl.store(q_ptr + idx, words.to(tl.int64, bitcast=True), mask=mask)
-    tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
+    if INNER:
+        first = row * n_cols + blk * 16
+        tl.store(q_ptr + first[:, :, None] + tl.arange(0, 16)[None, None, :], out,
+                 mask=mask[:, :, None])
+    else:
+        idx = row * (n_cols // 16) + blk
+        tl.store(q_ptr + idx, out.to(tl.int64, bitcast=True), mask=mask)
+        tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
 
 
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
-                                           "COL_RHT", "COL_SR", "COL_PER_TOKEN", "COL_MULT"],
+                                           "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
+                                           "COL_MULT", "COL_INNER"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
                         cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
                         ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
-                        ROW_MULT: tl.constexpr, COL_RHT: tl.constexpr,
+                        ROW_MULT: tl.constexpr, ROW_INNER: tl.constexpr, COL_RHT: tl.constexpr,
                         COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
+                        COL_INNER: tl.constexpr,
                         SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
     """The kernel of calls with a columnwise copy (and an optional rowwise one, ROW). One
@@ -152,7 +172,7 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
         s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, m, M, r_mult, ROW_PER_TOKEN, ROW_MULT,
                                        pid_c == 0, first)
         _quantize_store(y, m[:, None], c[None, :], M, K, rq_ptr, rs_ptr, s_div, inv_div, huge,
-                        seed, offset, mul16, ROW_SR, ROW_MULT)
+                        seed, offset, mul16, ROW_SR, ROW_MULT, ROW_INNER)
     # operand x^T (K, M): rows k, block columns b
     k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
     b = pid_b * BB + tl.arange(0, BB)
@@ -163,16 +183,17 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
     if COL_RHT:
         y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
     _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, s_div, inv_div, huge,
-                    seed, offset, mul16, COL_SR, COL_MULT)
+                    seed, offset, mul16, COL_SR, COL_MULT, COL_INNER)
 
 
-@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT"],
+@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(
                      lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"])})
 @triton.jit
 def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_ptr, s_ptr, o_ptr,
                           amax_ptr, mult, off_arg, SR: tl.constexpr, PER_TOKEN: tl.constexpr,
-                          MULT: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
+                          MULT: tl.constexpr, INNER: tl.constexpr, SEED_PTR: tl.constexpr,
+                          OFF_PTR: tl.constexpr,
                           BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
     """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
     than :func:`_quantize_1d_kernel`, 2026-11-20). T tiles of (16 BB, 16 BC) elements of x per
@@ -191,7 +212,7 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_pt
     for t in range(T):
         x_next = load_row_blocks(x_ptr, m, c + BC, M, K, stride_m, stride_k, t + 1 < T)  # prefetch
         _quantize_store(x.to(tl.float32), m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_div,
-                        inv_div, huge, seed, off, mul16, SR, MULT)
+                        inv_div, huge, seed, off, mul16, SR, MULT, INNER)
         x = x_next
         c += BC
 
@@ -223,7 +244,7 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
         tl.store(o_ptr, s_outer)
     a16 = abs_max16_bits(rows)
     a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
-    scode, recip = block_scale(bits_to_float(a, rows.dtype), s_div, inv_div)  # (BB, BC)
+    scode, _, recip = block_scale(bits_to_float(a, rows.dtype), s_div, inv_div)  # (BB, BC)
     huge = inv_div >= HUGE_INV
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
     if W:
@@ -272,21 +293,31 @@ def _scalar(v: IntOrTensor, device) -> Tuple[Union[int, torch.Tensor], bool]:
     return int(v), False
 
 
-def _outputs(rows: int, cols: int, n_outer: int, device) -> Quantized:
-    outer = torch.empty((n_outer,) if n_outer else (), dtype=torch.float32, device=device)
+def _outputs(rows: int, cols: int, spec: CopySpec, device) -> Union[Quantized, Inner]:
+    """The empty output of a copy of ``rows`` rows and ``cols`` columns (scale as uint8)."""
+    outer = torch.empty((rows,) if spec.per_token else (), dtype=torch.float32, device=device)
+    if spec.inner:
+        return Inner(torch.empty(rows, cols, dtype=torch.float16, device=device), outer)
     return Quantized(torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
                      torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer)
 
 
-def _as_e4m3(q: Quantized) -> Quantized:
-    return q._replace(scale=q.scale.view(torch.float8_e4m3fn))
+def _pointers(q: Union[Quantized, Inner]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q_ptr, s_ptr) arguments of :func:`_quantize_store` for an output."""
+    if isinstance(q, Inner):
+        return q.values, q.values
+    return q.qdata.view(torch.int64), q.scale
+
+
+def _finished(q: Union[Quantized, Inner]) -> Union[Quantized, Inner]:
+    return q._replace(scale=q.scale.view(torch.float8_e4m3fn)) if isinstance(q, Quantized) else q
 
 
 def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[CopySpec] = None,
                 *, seed: IntOrTensor = 0, row_offset: IntOrTensor = 0, col_offset: IntOrTensor = 0,
                 signs: Optional[torch.Tensor] = None,
                 amaxes: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-                ) -> Tuple[Optional[Quantized], Optional[Quantized]]:
+                ) -> Tuple[Optional[Union[Quantized, Inner]], Optional[Union[Quantized, Inner]]]:
     """Rowwise and/or columnwise 1D NVFP4 quantization of a matrix from one read (plus the amax pass).
 
     Args:
@@ -301,9 +332,11 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
             skip the amax pass (benchmarks time the two passes apart).
     Returns:
         (rowwise, columnwise) :class:`Quantized` or None each: qdata (M, K/2) / (K, M/2) uint8,
-        scale (M, K/16) / (K, M/16) float8_e4m3fn, outer scale () or (M,) / (K,) fp32.
+        scale (M, K/16) / (K, M/16) float8_e4m3fn, outer scale () or (M,) / (K,) fp32; a copy
+        whose spec has ``inner`` is an :class:`Inner` instead: values (M, K) / (K, M) float16.
     Raises:
-        TypeError: unsupported dtype. ValueError: shape, or an RHT without signs.
+        TypeError: unsupported dtype. ValueError: shape, an RHT without signs, or an ``inner``
+            copy on a GPU without E4M3 conversion (before sm89).
     Source: spec items 1-10 of docs/numerics.md (reference.py).
     """
     A.check_matrix(x, rows16=col is not None, cols16=row is not None)
@@ -314,37 +347,37 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
                 if col is not None else None)
     if (row and row.rht or col and col.rht) and signs is None:
         raise ValueError("an RHT copy needs the 16 RHT signs")
+    if (row and row.inner or col and col.inner) and not (_interpreting() or has_e4m3_convert(x.device)):
+        raise ValueError(f"inner-value copies need E4M3 conversion (CUDA sm89+), not {x.device}")
     m, k = x.shape
     dev = x.device
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
     row_amax, col_amax = amaxes if amaxes is not None else amax_pass(x, row, col, signs_t)
-    r = _outputs(m, k, m if row and row.per_token else 0, dev) if row else None
-    c = _outputs(k, m, k if col and col.per_token else 0, dev) if col else None
+    r = _outputs(m, k, row, dev) if row else None
+    c = _outputs(k, m, col, dev) if col else None
     seed_a, seed_p = _scalar(seed, dev)
     roff_a, roff_p = _scalar(row_offset, dev)
     coff_a, coff_p = _scalar(col_offset, dev)
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
         grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"] * meta["T"]))
         _quantize_rows_kernel[grid](
-            x, m, k, x.stride(0), x.stride(1), seed_a, 16, r.qdata.view(torch.int64), r.scale,
-            r.outer_scale, row_amax, float(row.amax_scale or 1.0), roff_a, SR=row.sr,
-            PER_TOKEN=row.per_token, MULT=row.amax_scale is not None, SEED_PTR=seed_p, OFF_PTR=roff_p)
-        return _as_e4m3(r), None
+            x, m, k, x.stride(0), x.stride(1), seed_a, 16, *_pointers(r), r.outer_scale, row_amax,
+            float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
+            MULT=row.amax_scale is not None, INNER=row.inner, SEED_PTR=seed_p, OFF_PTR=roff_p)
+        return _finished(r), None
     dummy = x
     grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
     _quantize_1d_kernel[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
-        r.qdata.view(torch.int64) if r else dummy, r.scale if r else dummy,
-        r.outer_scale if r else dummy, row_amax if r else dummy,
-        float(row.amax_scale or 1.0) if r else 1.0, roff_a,
-        c.qdata.view(torch.int64), c.scale, c.outer_scale, col_amax,
-        float(col.amax_scale or 1.0), coff_a,
+        *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
+        row_amax if r else dummy, float(row.amax_scale or 1.0) if r else 1.0, roff_a,
+        *_pointers(c), c.outer_scale, col_amax, float(col.amax_scale or 1.0), coff_a,
         ROW=r is not None, ROW_SR=bool(row and row.sr), ROW_PER_TOKEN=bool(row and row.per_token),
-        ROW_MULT=bool(row and row.amax_scale is not None),
+        ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and row.inner),
         COL_RHT=col.rht, COL_SR=col.sr, COL_PER_TOKEN=col.per_token,
-        COL_MULT=col.amax_scale is not None,
+        COL_MULT=col.amax_scale is not None, COL_INNER=col.inner,
         SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
-    return (_as_e4m3(r) if r else None, _as_e4m3(c) if c else None)
+    return (_finished(r) if r else None, _finished(c))
 
 
 def amax_pass(x: torch.Tensor, row: Optional[CopySpec], col: Optional[CopySpec],
