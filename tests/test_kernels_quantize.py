@@ -179,7 +179,8 @@ def test_quantize_pair_matches_reference(name, row, col):
 def check_inner_copies(x, row, col, inner, **kw):
     """quantize_1d with the copies ``inner`` names written as inner values: those equal the
     dequantized reference codes exactly (fp16), the others the reference codes."""
-    specs = [None if s is None else TB._copy_spec(s)._replace(inner=i) for s, i in ((row, inner[0]), (col, inner[1]))]
+    specs = [None if s is None else TB._copy_spec(s)._replace(inner=i)
+             for s, i in ((row, inner[0]), (col, inner[1]))]
     out = quantize_1d(x, *specs, seed=kw["seed"], row_offset=kw["row_offset"],
                       col_offset=kw["col_offset"], signs=kw["rht_signs"])
     refs = (REF.quantize(x, row, kw["seed"], kw["row_offset"], kw["rht_signs"]) if row else None,
