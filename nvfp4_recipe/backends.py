@@ -64,6 +64,28 @@ class Backend:
         """D (M, N) = (s_a * s_b) * (A_deq @ B_deq^T) + bias for A (M, K) and B (N, K)."""
         return R.scaled_mm(a, b, a_block=a_block, b_block=b_block, bias=bias, out_dtype=out_dtype)
 
+    def gemm_operands(self, x: torch.Tensor, row: Optional[OperandSpec],
+                      col: Optional[OperandSpec], seed: R.IntOrTensor = 0,
+                      row_offset: R.IntOrTensor = 0, col_offset: R.IntOrTensor = 0,
+                      rht_signs: Optional[torch.Tensor] = None,
+                      transient: Tuple[bool, bool] = (True, True)):
+        """The rowwise copy of x (M, K) under ``row`` and the columnwise copy (x^T's, (K, M)) under
+        ``col`` (each None to skip) as A operands of :meth:`operand_mm`.
+
+        ``transient[i]``: copy i only feeds the GEMM that follows, so a backend may return it in a
+        form only :meth:`operand_mm` takes (the Triton backend: fp16 inner values); the other
+        copies are :class:`NVFP4Data` (kept for backward). Here all are NVFP4Data.
+        """
+        if row is not None and col is not None:
+            return self.quantize_pair(x, row, col, seed, row_offset, col_offset, rht_signs)
+        return (None if row is None else self.quantize(x, row, seed, row_offset, rht_signs),
+                None if col is None else self.quantize(x.t(), col, seed, col_offset, rht_signs))
+
+    def operand_mm(self, a, b: NVFP4Data, b_block: str, bias: Optional[torch.Tensor],
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`scaled_mm` of an A (1d blocks) from :meth:`gemm_operands` and B."""
+        return self.scaled_mm(a, b, "1d", b_block, bias, out_dtype)
+
     def linear_fprop(self, x: torch.Tensor, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
                      xt_spec: Optional[OperandSpec], bias: Optional[torch.Tensor],
                      out_dtype: torch.dtype, seed: R.IntOrTensor = 0,
@@ -76,11 +98,8 @@ class Backend:
         (from the same read where a backend fuses it). Returns (Y (M, N) of ``out_dtype``, the
         X^T copy or None).
         """
-        if xt_spec is None:
-            xq, xtq = self.quantize(x, x_spec, seed, 0, rht_signs), None
-        else:
-            xq, xtq = self.quantize_pair(x, x_spec, xt_spec, seed, 0, 0, rht_signs)
-        return self.scaled_mm(xq, w, "1d", w_block, bias, out_dtype), xtq
+        xq, xtq = self.gemm_operands(x, x_spec, xt_spec, seed, 0, 0, rht_signs, (True, False))
+        return self.operand_mm(xq, w, w_block, bias, out_dtype), xtq
 
     def linear_grads(self, dy: torch.Tensor, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data],
                      w_block: str, dy_spec: OperandSpec, dyt_spec: OperandSpec,
@@ -96,18 +115,12 @@ class Backend:
         quantized under ``dyt_spec`` at ``dyt_offset``. Returns (dX (M, K) of ``dx_dtype`` or None,
         dW (N, K) of ``dw_dtype`` or None).
         """
-        dyq = dytq = dx = dw = None
-        if wt is not None and xt is not None:
-            dyq, dytq = self.quantize_pair(dy, dy_spec, dyt_spec, seed, dy_offset, dyt_offset,
-                                           rht_signs)
-        elif wt is not None:
-            dyq = self.quantize(dy, dy_spec, seed, dy_offset, rht_signs)
-        elif xt is not None:
-            dytq = self.quantize(dy.t(), dyt_spec, seed, dyt_offset, rht_signs)
-        if dyq is not None:
-            dx = self.scaled_mm(dyq, wt, "1d", w_block, None, dx_dtype)
-        if dytq is not None:
-            dw = self.scaled_mm(dytq, xt, "1d", "1d", None, dw_dtype)
+        dyq, dytq = self.gemm_operands(dy, dy_spec if wt is not None else None,
+                                       dyt_spec if xt is not None else None, seed, dy_offset,
+                                       dyt_offset, rht_signs)
+        dx = None if dyq is None else self.operand_mm(dyq, wt, w_block, None, dx_dtype)
+        del dyq  # frees dY's copy before the wgrad GEMM
+        dw = None if dytq is None else self.operand_mm(dytq, xt, "1d", None, dw_dtype)
         return dx, dw
 
 

@@ -9,13 +9,14 @@ Layout of the work (kernels/quantize.py): a 1D operand is an amax pass plus one 
 reads the (M, K) matrix once and writes the rowwise and/or columnwise copies; a 2D operand (weights)
 is an amax pass plus one pass writing W and its exact transpose.
 
-In NVFP4Linear (``linear_fprop``, ``linear_grads``) the copies a GEMM uses at once (X for fprop,
-dY for dgrad, dY^T for wgrad) are written as fp16 inner values (codes x block scales) instead of
-codes, so their GEMMs skip the dequantize pass of that operand (``gemm.inner_mm``); the values are
-exactly those the dequantize pass would give, so the results are the same bits.
+In NVFP4Linear (``Backend.linear_fprop`` and ``linear_grads``, through ``gemm_operands`` and
+``operand_mm``) the copies a GEMM uses at once (X for fprop, dY for dgrad, dY^T for wgrad) are
+written as fp16 inner values (codes x block scales) instead of codes, so their GEMMs skip the
+dequantize pass of that operand (``gemm.inner_mm``); the values are exactly those the dequantize
+pass would give, so the results are the same bits.
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -82,20 +83,11 @@ class TritonBackend(Backend):
                       ) -> Tuple[NVFP4Data, NVFP4Data]:
         """Rowwise and columnwise copies of a 2-D x (M, K) from one read (one amax pass covering
         both copies, one quantize pass); other cases fall back to two ``quantize`` calls."""
-        if x.dim() != 2 or row.block != "1d" or col.block != "1d" or row.rht:
+        if not _one_pass(x, row, col):
             return super().quantize_pair(x, row, col, seed, row_offset, col_offset, rht_signs)
-        R.check_input(x, row.block, row.scaling, row.rounding)
-        R.check_input(x.t(), col.block, col.scaling, col.rounding)
-        signs = _signs(rht_signs, col)
-        base, transposed = (x.t(), True) if _is_transposed_view(x) else (x, False)
-        r, c = _copy_spec(row), _copy_spec(col)
-        if transposed:  # rows of x are columns of base
-            out_c, out_r = quantize_1d(base, row=c, col=r, seed=seed, row_offset=col_offset,
-                                       col_offset=row_offset, signs=signs)
-        else:
-            out_r, out_c = quantize_1d(base, row=r, col=c, seed=seed, row_offset=row_offset,
-                                       col_offset=col_offset, signs=signs)
-        return _data(out_r), _data(out_c)
+        r, c = _quantize_copies(x, row, col, (False, False), seed, row_offset, col_offset,
+                                rht_signs)
+        return _data(r), _data(c)
 
     def quantize_weight(self, w: torch.Tensor, spec: OperandSpec) -> Tuple[NVFP4Data, NVFP4Data]:
         """W (N, K) and W^T (K, N): 2d from one read (W^T the exact transpose), 1d as a pair."""
@@ -113,38 +105,29 @@ class TritonBackend(Backend):
         """``Backend.scaled_mm`` with the Triton NVFP4 GEMM (``kernels/gemm.py``)."""
         return G.scaled_mm(*a, *b, a_block=a_block, b_block=b_block, bias=bias, out_dtype=out_dtype)
 
-    def linear_fprop(self, x: torch.Tensor, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
-                     xt_spec: Optional[OperandSpec], bias: Optional[torch.Tensor],
-                     out_dtype: torch.dtype, seed: R.IntOrTensor = 0,
-                     rht_signs: Optional[torch.Tensor] = None,
-                     ) -> Tuple[torch.Tensor, Optional[NVFP4Data]]:
-        """``Backend.linear_fprop`` with X written as inner values (and X^T as codes) by one
-        quantize pass; the same bits as the reference composition."""
-        if not _inner_path(x, x_spec, xt_spec):
-            return super().linear_fprop(x, w, w_block, x_spec, xt_spec, bias, out_dtype, seed,
-                                        rht_signs)
-        xr, xc = _quantize_pair(x, x_spec, xt_spec, (True, False), seed, 0, 0, rht_signs)
-        return _inner_mm(xr, w, w_block, bias, out_dtype), None if xc is None else _data(xc)
+    def gemm_operands(self, x: torch.Tensor, row: Optional[OperandSpec],
+                      col: Optional[OperandSpec], seed: R.IntOrTensor = 0,
+                      row_offset: R.IntOrTensor = 0, col_offset: R.IntOrTensor = 0,
+                      rht_signs: Optional[torch.Tensor] = None,
+                      transient: Tuple[bool, bool] = (True, True)):
+        """``Backend.gemm_operands`` from one quantize pass, the transient copies written as
+        :class:`Inner` fp16 values (GPUs with E4M3 conversion, sm89+, and the interpreter)."""
+        if (row is None and col is None) or not _one_pass(x, row, col) or not (
+                G._interpreting() or G.has_e4m3_convert(x.device)):
+            return super().gemm_operands(x, row, col, seed, row_offset, col_offset, rht_signs,
+                                         transient)
+        r, c = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset, rht_signs)
+        return _operand(r), _operand(c)
 
-    def linear_grads(self, dy: torch.Tensor, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data],
-                     w_block: str, dy_spec: OperandSpec, dyt_spec: OperandSpec,
-                     dx_dtype: torch.dtype, dw_dtype: torch.dtype, seed: R.IntOrTensor = 0,
-                     dy_offset: R.IntOrTensor = 0, dyt_offset: R.IntOrTensor = 0,
-                     rht_signs: Optional[torch.Tensor] = None,
-                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``Backend.linear_grads`` with dY and dY^T written as inner values by one quantize pass;
-        the same bits as the reference composition."""
-        row = dy_spec if wt is not None else None
-        col = dyt_spec if xt is not None else None
-        if not _inner_path(dy, row, col) or (row is None and col is None):
-            return super().linear_grads(dy, wt, xt, w_block, dy_spec, dyt_spec, dx_dtype, dw_dtype,
-                                        seed, dy_offset, dyt_offset, rht_signs)
-        dyr, dyc = _quantize_pair(dy, row, col, (True, True), seed, dy_offset, dyt_offset,
-                                  rht_signs)
-        dx = None if dyr is None else _inner_mm(dyr, wt, w_block, None, dx_dtype)
-        del dyr  # frees dY's inner values before the wgrad GEMM
-        dw = None if dyc is None else _inner_mm(dyc, xt, "1d", None, dw_dtype)
-        return dx, dw
+    def operand_mm(self, a, b: NVFP4Data, b_block: str, bias: Optional[torch.Tensor],
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """``Backend.operand_mm``; an :class:`Inner` A skips its dequantize pass
+        (``gemm.inner_mm``, B dequantized to fp16 first)."""
+        if not isinstance(a, Inner):
+            return super().operand_mm(a, b, b_block, bias, out_dtype)
+        b_inner = G.dequantize_inner(b.qdata, b.scale, b_block, out_dtype=torch.float16)
+        return G.inner_mm(a.values, a.outer_scale, b_inner, b.outer_scale, bias=bias,
+                          out_dtype=out_dtype)
 
     def _quantize_2d(self, x, spec, seed, offset, signs) -> NVFP4Data:
         if spec.rht:  # RHT along K with 16x16 blocks: no recipe asks for it; the reference does it
@@ -157,35 +140,32 @@ class TritonBackend(Backend):
                                  write_wt=False)[0])
 
 
-def _inner_path(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec]) -> bool:
-    """Whether the linear layer's inner-value path applies: a 2-D x, 1d copies with no RHT along
-    the rowwise one, on a GPU with E4M3 conversion or under the interpreter."""
-    if x.dim() != 2 or not (G._interpreting() or G.has_e4m3_convert(x.device)):
-        return False
-    return ((row is None or (row.block == "1d" and not row.rht))
+def _one_pass(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec]) -> bool:
+    """Whether ``quantize_1d`` makes the copies in one pass: a 2-D x, 1d blocks, no RHT along the
+    rowwise copy (None: no such copy)."""
+    return (x.dim() == 2 and (row is None or (row.block == "1d" and not row.rht))
             and (col is None or col.block == "1d"))
 
 
-def _quantize_pair(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec],
-                   inner: Tuple[bool, bool], seed, row_offset, col_offset, rht_signs):
-    """quantize_1d of x's rowwise and columnwise copies (each None to skip), those ``inner``
-    names as :class:`Inner` values; a transposed view x is read through its base."""
+def _quantize_copies(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec],
+                     inner: Tuple[bool, bool], seed, row_offset, col_offset, rht_signs):
+    """quantize_1d of x's rowwise and columnwise copies (each None to skip; :func:`_one_pass`
+    holds), those ``inner`` names as :class:`Inner` values; a transposed view x (``base.t()``) is
+    read through base, its rows being base's columns (coalesced)."""
     for t, spec in ((x, row), (x.t(), col)):
         if spec is not None:
             R.check_input(t, spec.block, spec.scaling, spec.rounding)
     signs = _signs(rht_signs, col) if col is not None else None
-    specs = [None if sp is None else _copy_spec(sp)._replace(inner=i)
-             for sp, i in ((row, inner[0]), (col, inner[1]))]
-    if _is_transposed_view(x) and specs[0] is not None and specs[1] is not None:
-        c, r = quantize_1d(x.t(), row=specs[1], col=specs[0], seed=seed, row_offset=col_offset,
-                           col_offset=row_offset, signs=signs)
-        return r, c
-    return quantize_1d(x, row=specs[0], col=specs[1], seed=seed, row_offset=row_offset,
-                       col_offset=col_offset, signs=signs)
+    r, c = [None if sp is None else _copy_spec(sp)._replace(inner=i)
+            for sp, i in ((row, inner[0]), (col, inner[1]))]
+    if _is_transposed_view(x):
+        out_c, out_r = quantize_1d(x.t(), row=c, col=r, seed=seed, row_offset=col_offset,
+                                   col_offset=row_offset, signs=signs)
+        return out_r, out_c
+    return quantize_1d(x, row=r, col=c, seed=seed, row_offset=row_offset, col_offset=col_offset,
+                       signs=signs)
 
 
-def _inner_mm(a: Inner, b: NVFP4Data, b_block: str, bias, out_dtype) -> torch.Tensor:
-    """A_inner @ B^T with B dequantized (one pass) and the outer scales in the epilogue."""
-    b_inner = G.dequantize_inner(b.qdata, b.scale, b_block, out_dtype=torch.float16)
-    return G.inner_mm(a.values, a.outer_scale, b_inner, b.outer_scale, bias=bias,
-                      out_dtype=out_dtype)
+def _operand(q: Union[Quantized, Inner, None]):
+    """A quantize_1d copy as a GEMM operand: NVFP4Data for codes, Inner as it is."""
+    return _data(q) if isinstance(q, Quantized) else q

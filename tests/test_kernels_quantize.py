@@ -14,7 +14,7 @@ from nvfp4_recipe.backends import Backend, get_backend
 from nvfp4_recipe.formats import E2M1_GRID, e2m1_encode_rn
 from nvfp4_recipe.kernels import amax as A
 from nvfp4_recipe.kernels import common as C
-from nvfp4_recipe.kernels.quantize import quantize_1d
+from nvfp4_recipe.kernels.quantize import Inner, quantize_1d
 from nvfp4_recipe import triton_backend as TB
 from nvfp4_recipe.recipe import NVFP4Recipe, OperandSpec
 
@@ -211,6 +211,22 @@ def test_inner_rowwise_only(sp):
     x = rand((40, 208), torch.float32, seed=6)
     check_inner_copies(x, sp, None, (True, False), seed=3, row_offset=9,
                        col_offset=0, rht_signs=signs_for())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gemm_operands_transient_copy_is_inner(transposed):
+    """The backend hook NVFP4Linear uses: the transient copy comes back as inner values, the
+    other as codes, both equal to the reference (a transposed view is read through its base)."""
+    r = NVFP4Recipe()
+    row, col = r.operand("dy_dgrad"), r.operand("dy_wgrad")
+    x = rand((80, 48), seed=12).t() if transposed else rand((48, 80), seed=12)
+    kw = dict(seed=torch.tensor(3), row_offset=1, col_offset=2**31, rht_signs=signs_for())
+    a, at = triton_backend("cpu").gemm_operands(x, row, col, **kw, transient=(True, False))
+    ref = REF.quantize_pair(x, row, col, **kw)
+    assert isinstance(a, Inner) and isinstance(at, R.NVFP4Data)
+    assert torch.equal(a.values.float(), R.dequantize_inner(ref[0].qdata, ref[0].scale))
+    assert torch.equal(a.outer_scale, ref[0].outer_scale)
+    assert_same(at, ref[1])
 
 
 @pytest.mark.parametrize("block", ["1d", "2d"])
