@@ -4,8 +4,10 @@ One kernel reads a tile of x as column blocks (16 rows of one column in a thread
 blocks of the columnwise copy; ``common.load_col_blocks``) and reduces it to any of: the global
 amax, per-row amaxes (per-token scaling of the rowwise copy), and the global or per-column amax of
 x or of the 16-point RHT of x along M (the columnwise copy), the last without writing the
-transformed tensor. Each program folds its tile into the results with
-one atomic max per output element it touches (one in all for a global amax). The maxima are taken
+transformed tensor. The grid is persistent (a few programs per SM, each looping over tiles): a
+program folds its tiles' per-tensor maxima in registers and issues one atomic max per result at the
+end (per-index maxima: one per element and tile), which measured 13-29% faster than one program a
+tile with its own atomics (H200, 2026-11-21, docs/benchmarks.md). The maxima are taken
 on the int32 bit patterns of |x|, so NaN wins over everything and propagates (spec item 9).
 """
 
@@ -23,13 +25,14 @@ NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
 
 def _configs():
-    """(BB, BC) = a program's tile in 16 x 16 blocks; the first measured fastest for the RHT and
-    per-token amaxes at every benchmark shape on the H200 (2026-11-21, ``sweep_quantize.py``) and is
-    the only one with NVFP4_AUTOTUNE=0; narrower tiles for small K (see ``prune_wide_tiles``)."""
+    """(BB, BC) = a tile in 16 x 16 blocks, P = programs per SM of the persistent grid. The first
+    measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
+    on the H200 (2026-11-21 sweep, docs/benchmarks.md) and is the only one with NVFP4_AUTOTUNE=0;
+    narrower tiles for small K (see ``prune_wide_tiles``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"BB": 2, "BC": 2}, num_warps=1)]
-    space = ((8, 4, 4), (8, 8, 4), (2, 16, 4), (4, 8, 4), (2, 8, 4))
-    return [triton.Config({"BB": bb, "BC": bc}, num_warps=nw) for bb, bc, nw in space]
+        return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]
+    space = ((2, 16, 4, 4), (2, 16, 16, 4), (2, 8, 8, 4), (4, 4, 8, 4), (8, 4, 8, 4))
+    return [triton.Config({"BB": bb, "BC": bc, "P": p}, num_warps=nw) for bb, bc, p, nw in space]
 
 
 @triton.jit
@@ -43,30 +46,41 @@ def _block_max_bits(t):
 @triton.jit
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
-                 BB: tl.constexpr, BC: tl.constexpr):
-    """One tile of 16 BB rows x 16 BC columns per program, read as column blocks (the
-    columnwise copy's blocks: 16 rows of one column in a thread's registers), which serve every
-    output: the RHT runs along their register axis, and the row maxima reduce across columns."""
-    k = tl.program_id(1) * (16 * BC) + tl.arange(0, 16 * BC)
-    b = tl.program_id(0) * BB + tl.arange(0, BB)
-    t = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)  # t[a, d, j] = x[16 b[d] + j, k[a]]
-    if COL_RHT:  # one fp32 copy serves both maxima
-        y = t.to(tl.float32)
-        tile_max = abs_bits(abs_max16(y))
-        # x -> RN(x / 4) is monotone, so the largest scaled value is the scaled largest one
-        col_max = abs_bits(abs_max16(hadamard16(y, tl.load(signs_ptr + tl.arange(0, 16)))) * 0.25)
-    else:
-        tile_max = _block_max_bits(t)
-        col_max = tile_max
+                 BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
+    """A persistent grid: each program takes every num_programs-th tile of 16 BB rows x 16 BC
+    columns (column tiles of a row band in turn), read as column blocks (the columnwise copy's
+    blocks: 16 rows of one column in a thread's registers), which serve every output: the RHT runs
+    along their register axis, and the row maxima reduce across columns. Per-index maxima go out
+    with one atomic per element and tile, per-tensor maxima once per program at the end."""
+    n_k = tl.cdiv(K, 16 * BC)
+    row_acc = tl.zeros((16 * BC, BB), dtype=tl.int32)
+    col_acc = tl.zeros((16 * BC, BB), dtype=tl.int32)
+    signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT else None
+    for tile in range(tl.program_id(0), tl.cdiv(M, 16 * BB) * n_k, tl.num_programs(0)):
+        k = (tile % n_k) * (16 * BC) + tl.arange(0, 16 * BC)
+        b = (tile // n_k) * BB + tl.arange(0, BB)
+        t = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)  # t[a, d, j] = x[16 b[d] + j, k[a]]
+        if COL_RHT:  # one fp32 copy serves both maxima
+            y = t.to(tl.float32)
+            tile_max = abs_bits(abs_max16(y))
+            # x -> RN(x / 4) is monotone, so the largest scaled value is the scaled largest one
+            col_max = abs_bits(abs_max16(hadamard16(y, signs)) * 0.25)
+        else:
+            tile_max = _block_max_bits(t)
+            col_max = tile_max
+        if ROW == 1:
+            row_acc = tl.maximum(row_acc, tile_max)
+        if ROW == 2:
+            m = b[:, None] * 16 + tl.arange(0, 16)[None, :]
+            tl.atomic_max(row_ptr + m, tl.max(abs_bits(t.to(tl.float32)), axis=0), mask=m < M)
+        if COL == 1:
+            col_acc = tl.maximum(col_acc, col_max)
+        if COL == 2:
+            tl.atomic_max(col_ptr + k, tl.max(col_max, axis=1), mask=k < K)
     if ROW == 1:
-        tl.atomic_max(row_ptr, tl.max(tl.max(tile_max, axis=1), axis=0))
-    if ROW == 2:
-        m = b[:, None] * 16 + tl.arange(0, 16)[None, :]
-        tl.atomic_max(row_ptr + m, tl.max(abs_bits(t.to(tl.float32)), axis=0), mask=m < M)
+        tl.atomic_max(row_ptr, tl.max(tl.max(row_acc, axis=1), axis=0))
     if COL == 1:
-        tl.atomic_max(col_ptr, tl.max(tl.max(col_max, axis=1), axis=0))
-    if COL == 2:
-        tl.atomic_max(col_ptr + k, tl.max(col_max, axis=1), mask=k < K)
+        tl.atomic_max(col_ptr, tl.max(tl.max(col_acc, axis=1), axis=0))
 
 
 def check_matrix(x: torch.Tensor, rows16: bool, cols16: bool) -> None:
@@ -107,7 +121,9 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
     buf = torch.zeros(n_row + n_col, dtype=torch.int32, device=x.device)
     row_buf, col_buf = buf[:n_row], buf[n_row:]
     signs = signs if col_rht else buf
-    grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    grid = lambda meta: (min(triton.cdiv(m, 16 * meta["BB"]) * triton.cdiv(k, 16 * meta["BC"]),
+                             sms * meta["P"]),)
     _amax_kernel[grid](x, m, k, x.stride(0), x.stride(1), signs, row_buf, col_buf,
                        ROW=row, COL=col, COL_RHT=col_rht)
     as_float = lambda b, mode: b.view(torch.float32).reshape(()) if mode == TENSOR else b.view(torch.float32)
