@@ -120,6 +120,27 @@ def test_rounding_helpers():
     check_rounding("cpu")
 
 
+@triton.jit
+def _philox_kernel(out_ptr, seed, offset, N: tl.constexpr):
+    i = tl.arange(0, N)
+    words = C.philox4x32(seed, (offset + i).to(tl.uint32))
+    for w in tl.static_range(4):
+        tl.store(out_ptr + i * 4 + w, words[w].to(tl.int64) & 0xFFFFFFFF)
+
+
+def check_philox(device):
+    """The kernels' Philox (64-bit products) gives ``reference.philox4x32``, the spec's stream."""
+    for seed, offset in (((123 << 32) + 987654321, 2**32 - 40), (7, 0), (2**31 + 5, 12345)):
+        out = torch.empty(64 * 4, dtype=torch.int64, device=device)
+        _philox_kernel[(1,)](out, seed, offset, 64)
+        ref = torch.stack(R.philox4x32(seed, (torch.arange(64) + offset) % 2**32), dim=-1)
+        assert torch.equal(out.cpu(), ref.reshape(-1)), (seed, offset)
+
+
+def test_philox():
+    check_philox("cpu")
+
+
 QUANTIZE_CASES = [
     # (spec, shape, dtype)
     (spec(), (48, 80), torch.bfloat16),
@@ -301,6 +322,11 @@ def test_rejects_bad_input():
 @pytest.mark.cuda
 def test_cuda_rounding_helpers(device):
     check_rounding(device)
+
+
+@pytest.mark.cuda
+def test_cuda_philox(device):
+    check_philox(device)
 
 
 @pytest.mark.cuda

@@ -4,7 +4,7 @@ Everything here is bit-exact with ``nvfp4_recipe.reference`` on the GPU and unde
 ``TRITON_INTERPRET=1``: roundings are done with integer bit operations or with fp32 additions whose
 single rounding is the one wanted (the interpreter truncates fp32 -> fp8 casts), divisions with
 ``div_rn`` (Triton's fp32 ``/`` is approximate on the GPU), and the stochastic-rounding bits come
-from Philox-4x32-10 with a uint32 counter, as ``tl.randint4x``.
+from Philox-4x32-10 with a uint32 counter, the stream of ``tl.randint4x`` (:func:`philox4x32`).
 
 Tile forms. The quantize and amax kernels use block tiles (``load_row_blocks``,
 ``load_col_blocks``): a (rows, blocks, 16) or (columns, blocks, 16) tensor per program with each
@@ -36,7 +36,6 @@ def prune_wide_tiles(tile_cols):
 
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # fp32 1.0
-_SIX_BITS = tl.constexpr(0x40C00000)  # fp32 6.0
 _MAGIC_BITS = tl.constexpr(0x4B000000)  # fp32 2**23: its ulp is 1, so adding it rounds to an integer
 HUGE_INV = tl.constexpr(2.0**122)  # 1 / s_outer above this can make (1 / s_outer) / scale overflow
 
@@ -140,9 +139,12 @@ def e2m1_sr(v, r):
     that is a carry out of ceil(V) + 0x3FFFFF - 64 r into bit 22. On [1, 6], V is the fp32 bit
     pattern minus 126 * 2**23 (an integer); below 1 it is a * 2**23, whose ceiling comes exactly
     from the rounded sum a * 2**23 + 2**23 and the sign of its rounding error.
+    A NaN ``v`` gives an arbitrary code (the GPU's min returns 6, the interpreter's NaN): callers
+    mask it, as for :func:`e2m1_rn`.
     """
-    n = tl.minimum(v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, _SIX_BITS)
-    x = n.to(tl.float32, bitcast=True) * 8388608.0
+    a = tl.minimum(tl.abs(v), 6.0)
+    n = a.to(tl.uint32, bitcast=True)
+    x = a * 8388608.0
     rm = x + 8388608.0  # 2**23 + round(x)
     below = (rm - 8388608.0) - x  # negative iff round(x) < x: then ceil(x) = round(x) + 1
     small = rm.to(tl.uint32, bitcast=True) + (below.to(tl.uint32, bitcast=True) >> 31) + ((0x3FFFFF - _MAGIC_BITS) & 0xFFFFFFFF)
@@ -189,13 +191,45 @@ def pack16(c, mul16):
 
 
 @triton.jit
+def _mul_wide(a, b: tl.constexpr):
+    p = a.to(tl.uint64) * b
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+
+
+@triton.jit
+def philox4x32(seed, counter):
+    """Philox-4x32-10 (Salmon et al., SC 2011), the same four uint32 words as
+    ``tl.randint4x(seed, counter)`` and ``reference.philox4x32``, for a uint32 ``counter`` tensor
+    and an integer scalar ``seed`` (its low and high 32 bits are the key). Each round's two
+    32 x 32-bit products are 64-bit multiplies, one instruction each (``tl.randint4x`` takes a
+    high and a low multiply each): 5% off the gradient pair on the H200 (docs/benchmarks.md)."""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = counter
+    c1 = counter * 0
+    c2 = c1
+    c3 = c1
+    for _ in tl.static_range(10):
+        hi_b, lo_b = _mul_wide(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mul_wide(c0, 0xD2511F53)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def bits16(seed, counter):
     """SR randoms of 16-element blocks as an (A, B, 16) uint32 tensor (``reference.sr_bits``):
     element j takes half j % 2 of word (j % 8) // 2 of ``randint4x(seed, counter + j // 8)``;
     ``counter`` (A, B) uint32 is the Philox counter of elements 0-7 of each block."""
     halves = ()
     for k in tl.static_range(2):
-        w0, w1, w2, w3 = tl.randint4x(seed, counter + k)
+        w0, w1, w2, w3 = philox4x32(seed, counter + k)
         halves = halves + (w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16,
                            w2 & 0xFFFF, w2 >> 16, w3 & 0xFFFF, w3 >> 16)
     return join16(halves)
