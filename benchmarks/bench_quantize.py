@@ -2,7 +2,9 @@
 
 For tokens M = 16384 and K in {4096, 14336}, bf16 input: the median time of each kernel, its
 achieved bandwidth over the bytes it must move (input read once, codes and scales written once) and
-that bandwidth as a fraction of a device-to-device copy measured in the same run; beside them
+that bandwidth as a fraction of a device-to-device copy measured in the same run (2 GiB, the
+copy's full rate; and a copy moving the same bytes as the kernel, which shows how much of the gap
+on smaller tensors is the ramp-up every kernel pays, L2 write-backs and launch included); beside them
 torchao 0.18's ``torch.compile``d ``NVFP4Tensor.to_nvfp4`` (rowwise, per-tensor scale) as the peer.
 Training runs an amax pass then a quantize pass; both are timed apart and together. The rows marked
 "(training)" are the variants NVFP4Linear runs on the Triton backend: the copies a GEMM uses at once
@@ -130,7 +132,7 @@ def main():
         warm(args.warm_procs)
 
     copy = copy_gbps()
-    rows = []
+    rows, same_size = [], {}
     for m, k in SHAPES:
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -147,11 +149,14 @@ def main():
                 print(f"{name}: {type(e).__name__}: {e}")
                 continue
             bw = gbps(nbytes, ms)
+            if nbytes not in same_size:  # a copy moving the same bytes (small ones pay ramp-up)
+                same_size[nbytes] = copy_gbps(nbytes // 2)
             kern = (Q._quantize_2d_kernel if "2D" in name else Q._quantize_1d_kernel
                     if "pair" in name or "^T" in name else Q._quantize_rows_kernel)
             cfg = getattr(kern, "best_config", None) if kind in ("quantize", "total") else None
             rows.append({"shape": f"{m}x{k}", "kernel": name, "kind": kind, "us": ms * 1e3,
-                         "GB/s": bw, "% of copy": 100 * bw / copy, "bytes": nbytes,
+                         "GB/s": bw, "% of copy": 100 * bw / copy,
+                         "% of same-size copy": 100 * bw / same_size[nbytes], "bytes": nbytes,
                          "config": str(cfg) if cfg is not None else ""})
         del x
         torch.cuda.empty_cache()
@@ -160,7 +165,8 @@ def main():
     if args.json:
         write_json(args.json, payload)
     print(f"\ndevice-to-device copy: {copy:.0f} GB/s (bytes read + written)")
-    print(markdown_table(rows, ["shape", "kernel", "us", "GB/s", "% of copy", "config"]))
+    print(markdown_table(rows, ["shape", "kernel", "us", "GB/s", "% of copy", "% of same-size copy",
+                                "config"]))
 
 
 if __name__ == "__main__":
