@@ -4,11 +4,14 @@ For each (tokens, in, out) shape and recipe: the fwd+bwd time of NVFP4Linear ove
 of the same run, the time of each piece (weight quantize, X quantize, dY quantize, fprop, dgrad,
 wgrad GEMMs) timed alone, the peak memory of a step and the bytes saved for backward (counted with
 saved-tensor hooks), split into activations and weight copies. Prints a table and writes JSON.
+``--host`` instead measures the host (Python) time of one fwd+bwd call of a tiny layer, where the
+GPU work is negligible: what bounds small layers in eager mode.
 
-    python benchmarks/bench_linear.py [--json out.json] [--shapes 16384x4096x4096 ...]
+    python benchmarks/bench_linear.py [--json out.json] [--shapes 16384x4096x4096 ...] [--host]
 """
 
 import argparse
+import time
 
 import torch
 from torch import nn
@@ -135,11 +138,39 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def host_us(step, calls: int = 200) -> float:
+    """Host time of one ``step()`` in µs: the mean over a loop of ``calls`` without synchronising
+    (the launch queue never fills when the GPU work is tiny)."""
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def host_times(size: int = 256) -> dict:
+    """Host µs per fwd+bwd of a (size x size) bf16 nn.Linear and of NVFP4Linear, same shapes."""
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    bf16 = nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
+    nvfp4 = NVFP4Linear.from_linear(nn.Linear(size, size, device="cuda"), RECIPES["default"])
+    return {name: host_us(fwd_bwd(layer, x, dy)) for name, layer in (("bf16", bf16), ("nvfp4", nvfp4))}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["16384x4096x4096", "16384x4096x14336"])
     p.add_argument("--json", default="bench_linear.json")
+    p.add_argument("--host", action="store_true", help="host time per call of a tiny layer only")
     args = p.parse_args()
+    if args.host:
+        t = host_times()
+        print(f"host time per fwd+bwd, 256x256x256: bf16 nn.Linear {t['bf16']:.0f} us, "
+              f"NVFP4Linear {t['nvfp4']:.0f} us ({t['nvfp4'] / t['bf16']:.1f}x)")
+        return
     results = [run_shape(*map(int, s.split("x"))) for s in args.shapes]
     write_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "results": results})
