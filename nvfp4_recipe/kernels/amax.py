@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16, load_col_blocks,
                      prune_wide_tiles)
+from .gemm import num_sms
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
@@ -121,7 +122,7 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
     buf = torch.zeros(n_row + n_col, dtype=torch.int32, device=x.device)
     row_buf, col_buf = buf[:n_row], buf[n_row:]
     signs = signs if col_rht else buf
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    sms = num_sms(x.device)
     grid = lambda meta: (min(triton.cdiv(m, 16 * meta["BB"]) * triton.cdiv(k, 16 * meta["BC"]),
                              sms * meta["P"]),)
     _amax_kernel[grid](x, m, k, x.stride(0), x.stride(1), signs, row_buf, col_buf,

@@ -23,6 +23,7 @@ import os
 import triton
 import triton.language as tl
 
+
 def prune_wide_tiles(tile_cols):
     """An autotune ``early_config_prune``: drops the configs whose tile spans more columns
     (``tile_cols(config)``) than the matrix's K rounded up to a power of two (at least 128), whose

@@ -458,7 +458,9 @@ def _epilogue_args(a_outer: torch.Tensor, b_outer: torch.Tensor, bias: Optional[
         dict(HAS_BIAS=bias is not None)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, the size of a persistent grid (4 under the
+    interpreter or off CUDA)."""
     if _interpreting() or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -505,11 +507,11 @@ def _launch_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Te
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     a_desc = TensorDescriptor.from_tensor(a_inner, [cfg["BM"], cfg["BK"]])
     b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
-    num_sms = _num_sms(a_inner.device)
+    sms = num_sms(a_inner.device)
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-    LAST_KERNEL["dequant_triton"] = _gemm_kernel[(min(num_sms, tiles),)](
+    LAST_KERNEL["dequant_triton"] = _gemm_kernel[(min(sms, tiles),)](
         a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=_interpreting(),
-        NUM_SMS=num_sms, **flags, **cfg)
+        NUM_SMS=sms, **flags, **cfg)
     return _finish(out, out_dtype)
 
 
@@ -590,7 +592,7 @@ def default_method(m: int, n: int, k: int, device: torch.device) -> str:
     splits along K and our persistent kernel does not), on older GPUs and under the interpreter."""
     if device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0):
         tiles = triton.cdiv(m, GEMM_CONFIG["BM"]) * triton.cdiv(n, GEMM_CONFIG["BN"])
-        if tiles >= _num_sms(device):
+        if tiles >= num_sms(device):
             return "dequant_triton"
     return "dequant_cublas"
 
@@ -623,12 +625,7 @@ def scaled_mm(a_qdata: torch.Tensor, a_scale: torch.Tensor, a_outer: torch.Tenso
     """
     a = check_operand("A", a_qdata, a_scale, a_outer, a_block)
     b = check_operand("B", b_qdata, b_scale, b_outer, b_block)
-    _check_gemm(a, b, bias, out_dtype)
-    if method == "auto":
-        method = default_method(a.rows, b.rows, a.k, a.qdata.device)
-    if method not in METHODS:
-        raise ValueError(f"method must be 'auto' or one of {METHODS}, got {method!r}")
-    _check_runnable(a.device)
+    method = _resolve(a, b, bias, out_dtype, method, METHODS)
     if a.rows == 0 or b.rows == 0 or a.k == 0:
         return _empty_product(a.outer, b.outer, a.rows, b.rows, bias, out_dtype)
     if method == "fused":
@@ -636,6 +633,18 @@ def scaled_mm(a_qdata: torch.Tensor, a_scale: torch.Tensor, a_outer: torch.Tenso
     a_inner, b_inner = _inner_pair(a, b)
     return _second_pass(InnerOperand(a_inner, a.outer), InnerOperand(b_inner, b.outer), bias,
                         out_dtype, method == "dequant_triton")
+
+
+def _resolve(a, b, bias, out_dtype, method: str, allowed) -> str:
+    """Check a product of two validated operands and resolve ``method`` ("auto" or one of
+    ``allowed``) for it; raises as :func:`scaled_mm`."""
+    _check_gemm(a, b, bias, out_dtype)
+    if method == "auto":
+        method = default_method(a.rows, b.rows, a.k, a.device)
+    if method not in allowed:
+        raise ValueError(f"method must be 'auto' or one of {allowed}, got {method!r}")
+    _check_runnable(a.device)
+    return method
 
 
 def _second_pass(a: InnerOperand, b: InnerOperand, bias, out_dtype, triton_gemm: bool):
@@ -668,12 +677,7 @@ def inner_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor
     """
     a = check_inner("A", a_inner, a_outer)
     b = check_inner("B", b_inner, b_outer)
-    _check_gemm(a, b, bias, out_dtype)
-    if method == "auto":
-        method = default_method(a.rows, b.rows, a.k, a.device)
-    if method not in METHODS[1:]:
-        raise ValueError(f"method must be 'auto' or one of {METHODS[1:]}, got {method!r}")
-    _check_runnable(a.device)
+    method = _resolve(a, b, bias, out_dtype, method, METHODS[1:])
     if a.rows == 0 or b.rows == 0 or a.k == 0:
         return _empty_product(a.outer, b.outer, a.rows, b.rows, bias, out_dtype)
     return _second_pass(a, b, bias, out_dtype, method == "dequant_triton")

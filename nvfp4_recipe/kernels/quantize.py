@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 
 from . import amax as A
-from .gemm import has_e4m3_convert
 from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
                      load_col_blocks, load_row_blocks, outer_scale, prune_wide_tiles, quantize_block,
                      rht16, scalar_arg)
+from .gemm import has_e4m3_convert
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -143,6 +143,22 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div, h
         tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
 
 
+@triton.jit
+def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, mult, off_arg,
+                   signs_ptr, seed, mul16, first_col, first, OFF_PTR: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, MULT: tl.constexpr, RHT: tl.constexpr,
+                   SR: tl.constexpr, INNER: tl.constexpr):
+    """One copy of a program's tile in :func:`_quantize_1d_kernel`: the outer scales of operand
+    rows ``rows`` (:func:`_scales`), the RHT of the fp32 (len(rows), len(blk), 16) blocks ``y``
+    if RHT, then :func:`_quantize_store` of them into an (n_rows, n_cols) operand."""
+    s_div, inv_div, huge = _scales(amax_ptr, o_ptr, rows, n_rows, mult, PER_TOKEN, MULT,
+                                   first_col, first)
+    if RHT:
+        y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
+    _quantize_store(y, rows[:, None], blk[None, :], n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div,
+                    huge, seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, MULT, INNER)
+
+
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
                                            "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
                                            "COL_MULT", "COL_INNER"],
@@ -168,22 +184,16 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
         m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
         c = pid_c * BC + tl.arange(0, BC)
         y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k).to(tl.float32)
-        offset = scalar_arg(roff_arg, ROFF_PTR)
-        s_div, inv_div, huge = _scales(ramax_ptr, ro_ptr, m, M, r_mult, ROW_PER_TOKEN, ROW_MULT,
-                                       pid_c == 0, first)
-        _quantize_store(y, m[:, None], c[None, :], M, K, rq_ptr, rs_ptr, s_div, inv_div, huge,
-                        seed, offset, mul16, ROW_SR, ROW_MULT, ROW_INNER)
+        _quantize_copy(y, m, c, M, K, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
+                       signs_ptr, seed, mul16, pid_c == 0, first, ROFF_PTR, ROW_PER_TOKEN,
+                       ROW_MULT, False, ROW_SR, ROW_INNER)
     # operand x^T (K, M): rows k, block columns b
     k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
     b = pid_b * BB + tl.arange(0, BB)
     y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k).to(tl.float32)
-    offset = scalar_arg(coff_arg, COFF_PTR)
-    s_div, inv_div, huge = _scales(camax_ptr, co_ptr, k, K, c_mult, COL_PER_TOKEN, COL_MULT,
-                                   pid_b == 0, first)
-    if COL_RHT:
-        y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
-    _quantize_store(y, k[:, None], b[None, :], K, M, cq_ptr, cs_ptr, s_div, inv_div, huge,
-                    seed, offset, mul16, COL_SR, COL_MULT, COL_INNER)
+    _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg, signs_ptr,
+                   seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN, COL_MULT, COL_RHT,
+                   COL_SR, COL_INNER)
 
 
 @triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER"],
