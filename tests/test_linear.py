@@ -1,6 +1,7 @@
 """NVFP4Linear against a float64 emulation of the recipe, training, checkpoints and torch.compile."""
 
 import copy
+import unittest.mock
 
 import pytest
 import torch
@@ -189,3 +190,33 @@ def test_gpu_triton_layer_matches_reference_backend(name, device):
         out.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*out):
         assert rel(b, a.double()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_eager_calls_equal_the_custom_ops(backend):
+    """In eager mode ``ops`` calls the backend directly (the custom ops' dispatch costs host
+    time); the custom ops that torch.compile traces must return the same bits."""
+    from nvfp4_recipe import ops
+
+    torch.manual_seed(0)
+    r = NVFP4Recipe(backend=backend)
+    x, w, dy = torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)
+    seed, signs = torch.tensor(7 + (3 << 32)), r.signs()
+    ws, xs, xts = r.operand("w_fprop"), r.operand("x_fprop"), r.operand("x_wgrad")
+    dys, dyts = r.operand("dy_dgrad"), r.operand("dy_wgrad")
+    offsets = SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"]
+
+    def run():
+        wq, wtq = ops.quantize_weight(w, ws, backend)
+        y, xtq = ops.linear_fprop(x, wq, ws.block, xs, xts, None, torch.float32, seed, signs, backend)
+        grads = ops.linear_grads(dy, wtq, xtq, ws.block, dys, dyts, torch.float32, torch.float32,
+                                 seed, *offsets, signs, backend)
+        return [*wq, *wtq, y, *xtq, *grads, *ops.quantize(x, dys, seed, 5, signs, backend)]
+
+    direct = run()
+    with unittest.mock.patch.object(ops, "_eager", lambda: False):
+        via_ops = run()
+    assert len(direct) == len(via_ops) == 15
+    for a, b in zip(direct, via_ops):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
