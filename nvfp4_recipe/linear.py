@@ -71,8 +71,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         wtq, xtq, (signs, sr_seed, sr_step) = NVFP4Data(*saved[0:3]), NVFP4Data(*saved[3:6]), saved[6:]
-        seed = sr_seed + (sr_step << 32)
-        sr_step.copy_(sr_step + 1)  # a mutation in backward: torch.compile and CUDA graphs keep it
+        seed = torch.add(sr_seed, sr_step, alpha=1 << 32)  # one kernel
+        sr_step.add_(1)  # a mutation in backward: torch.compile and CUDA graphs keep it
         recipe, backend = ctx.recipe, ctx.backend
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
