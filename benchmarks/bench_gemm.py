@@ -43,11 +43,12 @@ FUSED_SWEEP = (
     dict(BM=256, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
 )
 GEMM_SWEEP = (
-    dict(BM=128, BN=256, BK=64, GROUP_M=16, EPI_SPLIT=1, num_warps=8, num_stages=3),
-    dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=8, num_stages=3),
-    dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=8, num_stages=4),
-    dict(BM=256, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=8, num_stages=3),
-    dict(BM=128, BN=256, BK=64, GROUP_M=16, EPI_SPLIT=2, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=64, GROUP_M=16, EPI_SPLIT=1, num_warps=8, num_stages=3, P=1),
+    dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=8, num_stages=3, P=1),
+    dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=8, num_stages=4, P=1),
+    dict(BM=256, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=8, num_stages=3, P=1),
+    dict(BM=128, BN=256, BK=64, GROUP_M=16, EPI_SPLIT=2, num_warps=8, num_stages=3, P=1),
+    dict(BM=128, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=4, num_stages=3, P=2),
 )
 DEQUANT_SWEEP = (
     dict(BR=32, BK=256, num_warps=4),
@@ -138,7 +139,7 @@ def bench_shape(m, k, n, device, quick, sass):
     row("bf16 torch.mm", lambda: torch.mm(a_bf, b_bf.t()), check=False)
     row("torchao emulation", torchao_peer(m, k, n, device), check=False)
     for method, sweep, default in (("fused", FUSED_SWEEP, G.FUSED_CONFIG),
-                                   ("dequant_triton", GEMM_SWEEP, G.GEMM_CONFIG)):
+                                   ("dequant_triton", GEMM_SWEEP, G.gemm_config(k, torch.bfloat16))):
         for cfg in ((default,) if quick else sweep):
             if method == "fused":
                 fn = lambda cfg=cfg: G._launch_fused(a, b, None, torch.bfloat16, cfg)
@@ -146,7 +147,8 @@ def bench_shape(m, k, n, device, quick, sass):
                 fn = lambda cfg=cfg: two_pass_triton(a, b, cfg)
             tag = "x".join(str(cfg[x]) for x in ("BM", "BN", "BK")) + \
                 f" w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}" + \
-                (f" e{cfg['EPI_SPLIT']}" if "EPI_SPLIT" in cfg else "") + (" *" if cfg == default else "")
+                (f" e{cfg['EPI_SPLIT']}" if "EPI_SPLIT" in cfg else "") + \
+                (f" p{cfg['P']}" if cfg.get("P", 1) > 1 else "") + (" *" if cfg == default else "")
             try:
                 row(method, fn, tag)
             except Exception as e:  # a config that does not fit (shared memory, registers)

@@ -295,6 +295,22 @@ def test_gpu_random_encodings(device, method):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("k", [G.SMALL_K, G.SMALL_K + 16])
+def test_gpu_tile_config_by_k(device, k):
+    """K <= SMALL_K takes the 128 x 128, two-programs-per-SM config, a longer K the 128 x 256 one;
+    both against the reference at ragged M and N, per-token A, fp32 and bf16 outputs."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("the TMA GEMM is sm90+")
+    assert G.gemm_config(k, torch.bfloat16)["P"] == (2 if k <= G.SMALL_K else 1)
+    gen = torch.Generator().manual_seed(k)
+    a = random_operand(1040, k, per_token=True, device=device, gen=gen)
+    b = random_operand(784, k, device=device, gen=gen)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = run_gemm(a, b, method="dequant_triton", out_dtype=out_dtype)
+        assert_matches_reference(out, a, b, "1d", "1d", None, out_dtype)
+
+
+@pytest.mark.cuda
 def test_gpu_machine_refuses_cpu_tensors_outside_the_interpreter():
     if INTERPRETING:
         pytest.skip("the interpreter runs CPU tensors")

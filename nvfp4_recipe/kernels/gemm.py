@@ -40,6 +40,7 @@ format (OCP Microscaling spec v1.0; NVIDIA, arXiv 2509.25149), PTX ISA (cvt.f16x
 Triton's matmul tutorials (grouped tile order, persistent TMA GEMM, epilogue subtiling).
 """
 
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -52,8 +53,12 @@ METHODS = ("fused", "dequant_triton", "dequant_cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# Read once, as triton.jit does when it decides whether a kernel runs in the interpreter.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,12 +234,14 @@ def _fused_gemm_kernel(aq_ptr, as_ptr, bq_ptr, bs_ptr, sa_ptr, sb_ptr, bias_ptr,
 def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_sa,
                  stride_sb, stride_o, HAS_BIAS: tl.constexpr, INTERP: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 NUM_SMS: tl.constexpr, EPI_SPLIT: tl.constexpr):
+                 NUM_PROGRAMS: tl.constexpr, EPI_SPLIT: tl.constexpr):
     """Persistent GEMM over dequantized 16-bit A_inner (M, K) and B_inner (N, K), read through TMA
     descriptors (blocks [BM, BK] and [BN, BK]; out-of-range reads are zero); fp32 epilogue, in two
-    column halves if EPI_SPLIT == 2 (halves the shared memory its layout change needs)."""
+    column halves if EPI_SPLIT == 2 (halves the shared memory its layout change needs). Program i
+    takes tiles i, i + NUM_PROGRAMS, ... (NUM_PROGRAMS: one or two per SM; the grid may be smaller
+    when there are fewer tiles)."""
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_pid(tile_id, M, N, BM, BN, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):
@@ -432,8 +439,14 @@ _INTERP_CONFIG = dict(BM=32, BN=32, BK=64, GROUP_M=2, num_warps=4, num_stages=1)
 _INTERP_GEMM_CONFIG = dict(_INTERP_CONFIG, EPI_SPLIT=2)
 FUSED_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3)
 # EPI_SPLIT is 1 for 16-bit outputs; fp32 outputs take 2 (one tile's fp32 layout change in shared
-# memory besides 3 pipeline stages would exceed the 227 KB a block may use).
-GEMM_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=16, EPI_SPLIT=1, num_warps=8, num_stages=3)
+# memory besides 3 pipeline stages would exceed the 227 KB a block may use). P: programs per SM.
+GEMM_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=16, EPI_SPLIT=1, num_warps=8, num_stages=3, P=1)
+# For K <= SMALL_K (the products of small layers): 128 x 128 tiles, two programs per SM. A tile's
+# K loop is short there, and one program's loop overlaps the other's epilogue: 2-7% faster on the
+# gpu-preset shapes (32768 x {512, 1536, 2048}), 6% slower at K = 4096 (H200, 2026-11-21).
+SMALL_K = 2048
+SMALL_K_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=4,
+                           num_stages=3, P=2)
 DEQUANT_CONFIG = dict(BR=32, BK=256, num_warps=4)
 EPILOGUE_CONFIG = dict(BM=64, BN=128, num_warps=8)
 
@@ -458,18 +471,34 @@ def _epilogue_args(a_outer: torch.Tensor, b_outer: torch.Tensor, bias: Optional[
         dict(HAS_BIAS=bias is not None)
 
 
+@functools.lru_cache(maxsize=None)
+def _props(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_props(device: torch.device):
+    """``torch.cuda.get_device_properties`` of a CUDA ``device``, cached: the uncached query costs
+    several µs of host time, and a layer's fwd+bwd asks a dozen times."""
+    return _props(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``, the size of a persistent grid (4 under the
     interpreter or off CUDA)."""
     if _interpreting() or device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_props(device).multi_processor_count
+
+
+def _capability(device: torch.device):
+    props = _cuda_props(device)
+    return props.major, props.minor
 
 
 def has_e4m3_convert(device: torch.device) -> bool:
     """Whether ``device`` converts E4M3 to fp16 in hardware (CUDA sm89+), which the inline-PTX
     dequantization and the quantize kernels' inner-value output need."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device) >= (8, 9)
 
 
 def _ptx_dequant(device: torch.device) -> bool:
@@ -497,22 +526,27 @@ def _launch_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Te
     """Second pass of "dequant_triton": the TMA GEMM over 16-bit inner values (sm90+)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if _interpreting():
-        cfg = _INTERP_GEMM_CONFIG
-    elif cfg is None:
-        cfg = dict(GEMM_CONFIG, EPI_SPLIT=2 if out_dtype == torch.float32 else 1)
-    cfg = dict(cfg)
     (m, k), n = a_inner.shape, b_inner.shape[0]
+    cfg = dict(cfg or gemm_config(k, out_dtype))
+    programs = num_sms(a_inner.device) * cfg.pop("P", 1)
     out = _kernel_out(m, n, out_dtype, a_inner.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     a_desc = TensorDescriptor.from_tensor(a_inner, [cfg["BM"], cfg["BK"]])
     b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
-    sms = num_sms(a_inner.device)
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-    LAST_KERNEL["dequant_triton"] = _gemm_kernel[(min(sms, tiles),)](
+    LAST_KERNEL["dequant_triton"] = _gemm_kernel[(min(programs, tiles),)](
         a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=_interpreting(),
-        NUM_SMS=sms, **flags, **cfg)
+        NUM_PROGRAMS=programs, **flags, **cfg)
     return _finish(out, out_dtype)
+
+
+def gemm_config(k: int, out_dtype: torch.dtype) -> dict:
+    """The tile config of the Triton TMA GEMM for a reduction length ``k`` and output dtype
+    (GEMM_CONFIG, SMALL_K_GEMM_CONFIG for k <= SMALL_K; the interpreter's own config)."""
+    if _interpreting():
+        return _INTERP_GEMM_CONFIG
+    cfg = SMALL_K_GEMM_CONFIG if k <= SMALL_K else GEMM_CONFIG
+    return dict(cfg, EPI_SPLIT=2 if out_dtype == torch.float32 else 1)
 
 
 def _mm_f32(a_inner: torch.Tensor, b_inner: torch.Tensor) -> torch.Tensor:
@@ -590,7 +624,7 @@ def default_method(m: int, n: int, k: int, device: torch.device) -> str:
     fastest at every benchmarked shape on an H200, see docs/benchmarks.md); "dequant_cublas" for
     fewer output tiles (the wgrad of small layers: a small output with a long K, which cuBLAS
     splits along K and our persistent kernel does not), on older GPUs and under the interpreter."""
-    if device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0):
+    if device.type == "cuda" and not _interpreting() and _capability(device) >= (9, 0):
         tiles = triton.cdiv(m, GEMM_CONFIG["BM"]) * triton.cdiv(n, GEMM_CONFIG["BN"])
         if tiles >= num_sms(device):
             return "dequant_triton"
