@@ -12,6 +12,7 @@ eager mode. The backend computes the same values either way; the op only adds it
 copies.
 """
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -122,48 +123,45 @@ def _(dy, wt_qdata, wt_scale, wt_outer, xt_qdata, xt_scale, xt_outer, w_block, d
 
 
 # ------------------------------------------------------------------ typed wrappers for callers
-def _eager() -> bool:
-    """Call the backend directly (see the module docstring): not while torch.compile traces."""
-    return not torch.compiler.is_compiling()
+def _direct_in_eager(wrapper):
+    """``wrapper(*args, backend)`` calls its custom op while torch.compile traces; in eager mode
+    the backend method of the same name takes ``args`` directly (see the module docstring)."""
+    @functools.wraps(wrapper)
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return wrapper(*args)
+        *args, backend = args
+        return getattr(get_backend(backend, args[0].device), wrapper.__name__)(*args)
+    return call
 
 
+@_direct_in_eager
 def quantize(x, spec: OperandSpec, seed, offset: int, signs, backend: str) -> NVFP4Data:
-    """``Backend.quantize``, through the custom op under torch.compile."""
-    if _eager():
-        return get_backend(backend, x.device).quantize(x, spec, seed, offset, signs)
+    """``Backend.quantize``."""
     return NVFP4Data(*_quantize(x, spec.encode(), seed, offset, signs, backend))
 
 
+@_direct_in_eager
 def quantize_weight(w, spec: OperandSpec, backend: str):
-    """``Backend.quantize_weight``, through the custom op under torch.compile: (W, W^T)
-    NVFP4Data."""
-    if _eager():
-        return get_backend(backend, w.device).quantize_weight(w, spec)
+    """``Backend.quantize_weight``: (W, W^T) NVFP4Data."""
     t = _quantize_weight(w, spec.encode(), backend)
     return NVFP4Data(*t[:3]), NVFP4Data(*t[3:])
 
 
+@_direct_in_eager
 def linear_fprop(x, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
                  xt_spec: Optional[OperandSpec], bias, out_dtype, seed, signs, backend: str):
-    """``Backend.linear_fprop``, through the custom op under torch.compile: (Y, X^T NVFP4Data or
-    None)."""
-    if _eager():
-        return get_backend(backend, x.device).linear_fprop(x, w, w_block, x_spec, xt_spec, bias,
-                                                           out_dtype, seed, signs)
+    """``Backend.linear_fprop``: (Y, X^T NVFP4Data or None)."""
     t = _linear_fprop(x, *w, w_block, x_spec.encode(), None if xt_spec is None else xt_spec.encode(),
                       bias, out_dtype, seed, signs, backend)
     return t[0], (NVFP4Data(*t[1:]) if xt_spec is not None else None)
 
 
+@_direct_in_eager
 def linear_grads(dy, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data], w_block: str,
                  dy_spec: OperandSpec, dyt_spec: OperandSpec, dx_dtype, dw_dtype, seed,
                  dy_offset: int, dyt_offset: int, signs, backend: str):
-    """``Backend.linear_grads``, through the custom op under torch.compile: (dX or None, dW or
-    None)."""
-    if _eager():
-        return get_backend(backend, dy.device).linear_grads(
-            dy, wt, xt, w_block, dy_spec, dyt_spec, dx_dtype, dw_dtype, seed, dy_offset,
-            dyt_offset, signs)
+    """``Backend.linear_grads``: (dX or None, dW or None)."""
     none3 = (None, None, None)
     t = iter(_linear_grads(dy, *(wt or none3), *(xt or none3), w_block, dy_spec.encode(),
                            dyt_spec.encode(), dx_dtype, dw_dtype, seed, dy_offset, dyt_offset,

@@ -112,8 +112,8 @@ class TritonBackend(Backend):
                       transient: Tuple[bool, bool] = (True, True)):
         """``Backend.gemm_operands`` from one quantize pass, the transient copies written as
         :class:`Inner` fp16 values (GPUs with E4M3 conversion, sm89+, and the interpreter)."""
-        if (row is None and col is None) or not _one_pass(x, row, col) or not (
-                G._interpreting() or G.has_e4m3_convert(x.device)):
+        if (row is None and col is None) or not _one_pass(x, row, col) or not \
+                G.inner_values_supported(x.device):
             return super().gemm_operands(x, row, col, seed, row_offset, col_offset, rht_signs,
                                          transient)
         r, c = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset, rht_signs)

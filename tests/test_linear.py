@@ -1,7 +1,6 @@
 """NVFP4Linear against a float64 emulation of the recipe, training, checkpoints and torch.compile."""
 
 import copy
-import unittest.mock
 
 import pytest
 import torch
@@ -206,16 +205,19 @@ def test_eager_calls_equal_the_custom_ops(backend):
     dys, dyts = r.operand("dy_dgrad"), r.operand("dy_wgrad")
     offsets = SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"]
 
-    def run():
-        wq, wtq = ops.quantize_weight(w, ws, backend)
-        y, xtq = ops.linear_fprop(x, wq, ws.block, xs, xts, None, torch.float32, seed, signs, backend)
-        grads = ops.linear_grads(dy, wtq, xtq, ws.block, dys, dyts, torch.float32, torch.float32,
-                                 seed, *offsets, signs, backend)
-        return [*wq, *wtq, y, *xtq, *grads, *ops.quantize(x, dys, seed, 5, signs, backend)]
+    def run(custom_ops: bool):
+        """The four wrappers, called as in eager mode or through their custom ops (the wrapped
+        functions, what torch.compile traces)."""
+        call = {f: getattr(ops, f).__wrapped__ if custom_ops else getattr(ops, f)
+                for f in ("quantize", "quantize_weight", "linear_fprop", "linear_grads")}
+        wq, wtq = call["quantize_weight"](w, ws, backend)
+        y, xtq = call["linear_fprop"](x, wq, ws.block, xs, xts, None, torch.float32, seed, signs,
+                                      backend)
+        grads = call["linear_grads"](dy, wtq, xtq, ws.block, dys, dyts, torch.float32,
+                                     torch.float32, seed, *offsets, signs, backend)
+        return [*wq, *wtq, y, *xtq, *grads, *call["quantize"](x, dys, seed, 5, signs, backend)]
 
-    direct = run()
-    with unittest.mock.patch.object(ops, "_eager", lambda: False):
-        via_ops = run()
+    direct, via_ops = run(False), run(True)
     assert len(direct) == len(via_ops) == 15
     for a, b in zip(direct, via_ops):
         assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,

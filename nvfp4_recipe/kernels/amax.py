@@ -11,7 +11,6 @@ tile with its own atomics (H200, 2026-11-21, docs/benchmarks.md). The maxima are
 on the int32 bit patterns of |x|, so NaN wins over everything and propagates (spec item 9).
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -20,7 +19,7 @@ import triton.language as tl
 
 from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16, load_col_blocks,
                      prune_wide_tiles)
-from .gemm import num_sms
+from .gemm import interpreting, num_sms
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
@@ -30,7 +29,7 @@ def _configs():
     measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
     on the H200 (2026-11-21 sweep, docs/benchmarks.md) and is the only one with NVFP4_AUTOTUNE=0;
     narrower tiles for small K (see ``prune_wide_tiles``)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]
     space = ((2, 16, 4, 4), (2, 16, 16, 4), (2, 8, 8, 4), (4, 4, 8, 4), (8, 4, 8, 4))
     return [triton.Config({"BB": bb, "BC": bc, "P": p}, num_warps=nw) for bb, bc, p, nw in space]

@@ -57,7 +57,8 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` at import)."""
     return _INTERPRET
 
 
@@ -409,7 +410,7 @@ def check_inner(name: str, values: torch.Tensor, outer: torch.Tensor) -> InnerOp
 
 
 def _check_runnable(device: torch.device) -> None:
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise ValueError(f"the Triton NVFP4 kernels need CUDA tensors (or TRITON_INTERPRET=1 to run "
                          f"them in the Triton interpreter), got tensors on {device}")
 
@@ -456,7 +457,7 @@ LAST_KERNEL = {}
 
 def _kernel_out(m: int, n: int, out_dtype, device) -> torch.Tensor:
     """The output buffer: fp32 under the interpreter (torch casts it), else ``out_dtype``."""
-    dtype = torch.float32 if _interpreting() else out_dtype
+    dtype = torch.float32 if interpreting() else out_dtype
     return torch.empty((m, n), dtype=dtype, device=device)
 
 
@@ -472,20 +473,16 @@ def _epilogue_args(a_outer: torch.Tensor, b_outer: torch.Tensor, bias: Optional[
 
 
 @functools.lru_cache(maxsize=None)
-def _props(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
 def _cuda_props(device: torch.device):
     """``torch.cuda.get_device_properties`` of a CUDA ``device``, cached: the uncached query costs
     several µs of host time, and a layer's fwd+bwd asks a dozen times."""
-    return _props(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.get_device_properties(device)
 
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``, the size of a persistent grid (4 under the
     interpreter or off CUDA)."""
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return 4
     return _cuda_props(device).multi_processor_count
 
@@ -501,14 +498,20 @@ def has_e4m3_convert(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device) >= (8, 9)
 
 
+def inner_values_supported(device: torch.device) -> bool:
+    """Whether the quantize kernels can write fp16 inner values on ``device`` (E4M3 conversion,
+    or the interpreter)."""
+    return interpreting() or has_e4m3_convert(device)
+
+
 def _ptx_dequant(device: torch.device) -> bool:
     """Whether the kernels can use the inline-PTX dequantization (a GPU with E4M3 conversion)."""
-    return not _interpreting() and has_e4m3_convert(device)
+    return not interpreting() and has_e4m3_convert(device)
 
 
 def _launch_fused(a: Operand, b: Operand, bias, out_dtype, cfg: Optional[dict] = None):
     """The "fused" method: one kernel from packed operands to the output."""
-    cfg = dict(_INTERP_CONFIG if _interpreting() else (cfg or FUSED_CONFIG))
+    cfg = dict(_INTERP_CONFIG if interpreting() else (cfg or FUSED_CONFIG))
     m, n, kb = a.rows, b.rows, a.k // 2
     out = _kernel_out(m, n, out_dtype, a.qdata.device)
     scales, strides, flags = _epilogue_args(a.outer, b.outer, bias)
@@ -516,7 +519,7 @@ def _launch_fused(a: Operand, b: Operand, bias, out_dtype, cfg: Optional[dict] =
     LAST_KERNEL["fused"] = _fused_gemm_kernel[grid](
         a.qdata, a.scale, b.qdata, b.scale, *scales, out, m, n, kb,
         a.qdata.stride(0), a.scale.stride(0), b.qdata.stride(0), b.scale.stride(0), *strides,
-        out.stride(0), A_2D=a.block == "2d", B_2D=b.block == "2d", INTERP=_interpreting(),
+        out.stride(0), A_2D=a.block == "2d", B_2D=b.block == "2d", INTERP=interpreting(),
         PTX=_ptx_dequant(a.qdata.device), EVEN_K=kb % (cfg["BK"] // 2) == 0, **flags, **cfg)
     return _finish(out, out_dtype)
 
@@ -535,7 +538,7 @@ def _launch_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Te
     b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     LAST_KERNEL["dequant_triton"] = _gemm_kernel[(min(programs, tiles),)](
-        a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=_interpreting(),
+        a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
         NUM_PROGRAMS=programs, **flags, **cfg)
     return _finish(out, out_dtype)
 
@@ -543,7 +546,7 @@ def _launch_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Te
 def gemm_config(k: int, out_dtype: torch.dtype) -> dict:
     """The tile config of the Triton TMA GEMM for a reduction length ``k`` and output dtype
     (GEMM_CONFIG, SMALL_K_GEMM_CONFIG for k <= SMALL_K; the interpreter's own config)."""
-    if _interpreting():
+    if interpreting():
         return _INTERP_GEMM_CONFIG
     cfg = SMALL_K_GEMM_CONFIG if k <= SMALL_K else GEMM_CONFIG
     return dict(cfg, EPI_SPLIT=2 if out_dtype == torch.float32 else 1)
@@ -572,7 +575,7 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
 def _dequantize(op: Operand, out_dtype, cfg: Optional[dict] = None) -> torch.Tensor:
     """Launch :func:`_dequant_kernel` on a validated operand; (rows, K) of ``out_dtype``."""
     cfg = dict(cfg or DEQUANT_CONFIG)
-    if _interpreting():
+    if interpreting():
         cfg = dict(BR=16, BK=64, num_warps=4)
     h = cfg.pop("BK") // 2
     kb = op.k // 2
@@ -624,7 +627,7 @@ def default_method(m: int, n: int, k: int, device: torch.device) -> str:
     fastest at every benchmarked shape on an H200, see docs/benchmarks.md); "dequant_cublas" for
     fewer output tiles (the wgrad of small layers: a small output with a long K, which cuBLAS
     splits along K and our persistent kernel does not), on older GPUs and under the interpreter."""
-    if device.type == "cuda" and not _interpreting() and _capability(device) >= (9, 0):
+    if device.type == "cuda" and not interpreting() and _capability(device) >= (9, 0):
         tiles = triton.cdiv(m, GEMM_CONFIG["BM"]) * triton.cdiv(n, GEMM_CONFIG["BN"])
         if tiles >= num_sms(device):
             return "dequant_triton"

@@ -20,7 +20,6 @@ copy use ``_quantize_1d_kernel`` (one tile per program); rowwise-only calls use
 one is quantized), which measured faster for them and slower for the pairs (docs/benchmarks.md).
 """
 
-import os
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -31,7 +30,7 @@ from . import amax as A
 from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
                      load_col_blocks, load_row_blocks, outer_scale, prune_wide_tiles, quantize_block,
                      rht16, scalar_arg)
-from .gemm import has_e4m3_convert
+from .gemm import inner_values_supported, interpreting
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -71,17 +70,13 @@ class Inner(NamedTuple):
     outer_scale: torch.Tensor
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _configs(loop: bool = False):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
     per program along K (the prefetch loop of ``_quantize_rows_kernel``). The first config of each
     list measured fastest at the benchmark shapes on the H200 (2026-11-21 sweep,
     docs/benchmarks.md); it is the only one with NVFP4_AUTOTUNE=0 where it fits K
     (``prune_wide_tiles``)."""
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
     if loop:
         space = ((1, 8, 4, 8, None), (2, 8, 4, 4, None), (1, 16, 4, 4, None), (2, 8, 8, 4, None),
@@ -357,7 +352,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
                 if col is not None else None)
     if (row and row.rht or col and col.rht) and signs is None:
         raise ValueError("an RHT copy needs the 16 RHT signs")
-    if (row and row.inner or col and col.inner) and not (_interpreting() or has_e4m3_convert(x.device)):
+    if (row and row.inner or col and col.inner) and not inner_values_supported(x.device):
         raise ValueError(f"inner-value copies need E4M3 conversion (CUDA sm89+), not {x.device}")
     m, k = x.shape
     dev = x.device
