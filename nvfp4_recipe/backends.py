@@ -17,6 +17,7 @@ import torch
 from . import reference as R
 from .recipe import OperandSpec
 from .reference import NVFP4Data
+from .streams import SideStream
 
 log = logging.getLogger("nvfp4_recipe")
 
@@ -81,25 +82,38 @@ class Backend:
         return (None if row is None else self.quantize(x, row, seed, row_offset, rht_signs),
                 None if col is None else self.quantize(x.t(), col, seed, col_offset, rht_signs))
 
-    def operand_mm(self, a, b: NVFP4Data, b_block: str, bias: Optional[torch.Tensor],
+    def b_operand(self, b: NVFP4Data, block: str):
+        """B (N, K) with ``block`` blocks in the form :meth:`operand_mm` takes; a backend may
+        prepare it ahead of the GEMM (the Triton backend: its fp16 inner values). Here: b."""
+        return b
+
+    def operand_mm(self, a, b, b_block: str, bias: Optional[torch.Tensor],
                    out_dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`scaled_mm` of an A (1d blocks) from :meth:`gemm_operands` and B."""
+        """:meth:`scaled_mm` of an A (1d blocks) from :meth:`gemm_operands` and a B
+        (NVFP4Data or from :meth:`b_operand`)."""
         return self.scaled_mm(a, b, "1d", b_block, bias, out_dtype)
 
-    def linear_fprop(self, x: torch.Tensor, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
-                     xt_spec: Optional[OperandSpec], bias: Optional[torch.Tensor],
-                     out_dtype: torch.dtype, seed: R.IntOrTensor = 0,
-                     rht_signs: Optional[torch.Tensor] = None,
-                     ) -> Tuple[torch.Tensor, Optional[NVFP4Data]]:
-        """The fprop of an NVFP4 linear layer: Y = Q(x) @ W^T + bias.
+    def linear_fprop(self, x: torch.Tensor, weight: torch.Tensor, w_spec: OperandSpec,
+                     x_spec: OperandSpec, xt_spec: Optional[OperandSpec], need_wt: bool,
+                     bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                     seed: R.IntOrTensor = 0, rht_signs: Optional[torch.Tensor] = None,
+                     ) -> Tuple[torch.Tensor, Optional[NVFP4Data], Optional[NVFP4Data]]:
+        """The fprop of an NVFP4 linear layer: Y = Q(x) @ Q(W)^T + bias.
 
-        x: (M, K) activations, quantized rowwise under ``x_spec`` (SR offset 0); w: W (N, K)
-        quantized with ``w_block`` blocks. With ``xt_spec`` also quantizes x^T (K, M) for wgrad
-        (from the same read where a backend fuses it). Returns (Y (M, N) of ``out_dtype``, the
-        X^T copy or None).
+        x: (M, K) activations, quantized rowwise under ``x_spec`` (SR offset 0); weight: W (N, K),
+        quantized under ``w_spec`` (with ``need_wt`` also W^T (K, N) for dgrad,
+        :meth:`quantize_weight`). With ``xt_spec`` also quantizes x^T (K, M) for wgrad (from the
+        same read where a backend fuses it). On CUDA the weight is quantized on a side stream
+        while x is (``streams.SideStream``). Returns (Y (M, N) of ``out_dtype``, the W^T copy or
+        None, the X^T copy or None).
         """
+        with SideStream(x.device) as side:  # W does not wait for X's passes, nor they for W's
+            wq, wtq = (self.quantize_weight(weight, w_spec) if need_wt
+                       else (self.quantize(weight, w_spec), None))
+            w = self.b_operand(wq, w_spec.block)
         xq, xtq = self.gemm_operands(x, x_spec, xt_spec, seed, 0, 0, rht_signs, (True, False))
-        return self.operand_mm(xq, w, w_block, bias, out_dtype), xtq
+        side.join(w, wtq)
+        return self.operand_mm(xq, w, w_spec.block, bias, out_dtype), wtq, xtq
 
     def linear_grads(self, dy: torch.Tensor, wt: Optional[NVFP4Data], xt: Optional[NVFP4Data],
                      w_block: str, dy_spec: OperandSpec, dyt_spec: OperandSpec,
@@ -115,9 +129,12 @@ class Backend:
         quantized under ``dyt_spec`` at ``dyt_offset``. Returns (dX (M, K) of ``dx_dtype`` or None,
         dW (N, K) of ``dw_dtype`` or None).
         """
+        with SideStream(dy.device) as side:  # W^T's preparation beside dY's passes
+            wt = None if wt is None else self.b_operand(wt, w_block)
         dyq, dytq = self.gemm_operands(dy, dy_spec if wt is not None else None,
                                        dyt_spec if xt is not None else None, seed, dy_offset,
                                        dyt_offset, rht_signs)
+        side.join(wt)
         dx = None if dyq is None else self.operand_mm(dyq, wt, w_block, None, dx_dtype)
         del dyq  # frees dY's copy before the wgrad GEMM
         dw = None if dytq is None else self.operand_mm(dytq, xt, "1d", None, dw_dtype)

@@ -53,14 +53,10 @@ class _NVFP4LinearFn(torch.autograd.Function):
             raise ValueError(f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: the number of "
                              f"tokens (product of the input's leading dims) must be a multiple of "
                              f"{BLOCK}, got {x2.shape[0]}")
-        w_spec, x_spec = recipe.operand("w_fprop"), recipe.operand("x_fprop")
-        if need_dx:
-            wq, wtq = ops.quantize_weight(weight, w_spec, backend)
-        else:
-            wq, wtq = ops.quantize(weight, w_spec, sr_seed, 0, None, backend), None
-        y, xtq = ops.linear_fprop(x2, wq, w_spec.block, x_spec,
-                                  recipe.operand("x_wgrad") if need_dw else None, bias, out_dtype,
-                                  sr_seed, signs, backend)
+        w_spec = recipe.operand("w_fprop")
+        y, wtq, xtq = ops.linear_fprop(x2, weight, w_spec, recipe.operand("x_fprop"),
+                                       recipe.operand("x_wgrad") if need_dw else None, need_dx,
+                                       bias, out_dtype, sr_seed, signs, backend)
         ctx.recipe, ctx.backend, ctx.w_block = recipe, backend, w_spec.block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None

@@ -22,7 +22,7 @@ from .formats import BLOCK
 from .recipe import OperandSpec
 from .reference import NVFP4Data
 
-__all__ = ["quantize", "quantize_weight", "linear_fprop", "linear_grads"]
+__all__ = ["linear_fprop", "linear_grads"]
 
 
 def _flat(*datas: NVFP4Data) -> List[torch.Tensor]:
@@ -36,37 +36,13 @@ def _flat(*datas: NVFP4Data) -> List[torch.Tensor]:
     return out
 
 
-def _fake(rows: int, k: int, spec: OperandSpec, device, lead=()) -> List[torch.Tensor]:
-    """Empty tensors shaped like the quantization of a (*lead, rows, k) operand under ``spec``."""
-    scale_shape = (rows // BLOCK, k // BLOCK) if spec.block == "2d" else (*lead, rows, k // BLOCK)
-    outer_shape = (*lead, rows) if spec.scaling == "per_token" else ()
-    return [torch.empty(*lead, rows, k // 2, dtype=torch.uint8, device=device),
+def _fake(rows: int, k: int, spec: OperandSpec, device) -> List[torch.Tensor]:
+    """Empty tensors shaped like the quantization of a (rows, k) operand under ``spec``."""
+    scale_shape = (rows // BLOCK, k // BLOCK) if spec.block == "2d" else (rows, k // BLOCK)
+    outer_shape = (rows,) if spec.scaling == "per_token" else ()
+    return [torch.empty(rows, k // 2, dtype=torch.uint8, device=device),
             torch.empty(scale_shape, dtype=torch.float8_e4m3fn, device=device),
             torch.empty(outer_shape, dtype=torch.float32, device=device)]
-
-
-@torch.library.custom_op("nvfp4_recipe::quantize", mutates_args=())
-def _quantize(x: torch.Tensor, spec: str, seed: torch.Tensor, offset: int,
-              signs: Optional[torch.Tensor], backend: str) -> List[torch.Tensor]:
-    be = get_backend(backend, x.device)
-    return _flat(be.quantize(x, OperandSpec.decode(spec), seed, offset, signs))
-
-
-@_quantize.register_fake
-def _(x, spec, seed, offset, signs, backend):
-    return _fake(x.shape[-2], x.shape[-1], OperandSpec.decode(spec), x.device, x.shape[:-2])
-
-
-@torch.library.custom_op("nvfp4_recipe::quantize_weight", mutates_args=())
-def _quantize_weight(w: torch.Tensor, spec: str, backend: str) -> List[torch.Tensor]:
-    return _flat(*get_backend(backend, w.device).quantize_weight(w, OperandSpec.decode(spec)))
-
-
-@_quantize_weight.register_fake
-def _(w, spec, backend):
-    n, k = w.shape
-    s = OperandSpec.decode(spec)
-    return _fake(n, k, s, w.device) + _fake(k, n, s, w.device)
 
 
 def _spec(text: Optional[str]) -> Optional[OperandSpec]:
@@ -78,21 +54,25 @@ def _data(t: List[Optional[torch.Tensor]]) -> Optional[NVFP4Data]:
 
 
 @torch.library.custom_op("nvfp4_recipe::linear_fprop", mutates_args=())
-def _linear_fprop(x: torch.Tensor, w_qdata: torch.Tensor, w_scale: torch.Tensor,
-                  w_outer: torch.Tensor, w_block: str, x_spec: str, xt_spec: Optional[str],
-                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, seed: torch.Tensor,
-                  signs: Optional[torch.Tensor], backend: str) -> List[torch.Tensor]:
+def _linear_fprop(x: torch.Tensor, weight: torch.Tensor, w_spec: str, x_spec: str,
+                  xt_spec: Optional[str], need_wt: bool, bias: Optional[torch.Tensor],
+                  out_dtype: torch.dtype, seed: torch.Tensor, signs: Optional[torch.Tensor],
+                  backend: str) -> List[torch.Tensor]:
     be = get_backend(backend, x.device)
-    y, xtq = be.linear_fprop(x, NVFP4Data(w_qdata, w_scale, w_outer), w_block, _spec(x_spec),
-                             _spec(xt_spec), bias, out_dtype, seed, signs)
-    return [y] + ([] if xtq is None else _flat(xtq))
+    y, wtq, xtq = be.linear_fprop(x, weight, OperandSpec.decode(w_spec), OperandSpec.decode(x_spec),
+                                  _spec(xt_spec), need_wt, bias, out_dtype, seed, signs)
+    return [y] + _flat(*(q for q in (wtq, xtq) if q is not None))
 
 
 @_linear_fprop.register_fake
-def _(x, w_qdata, w_scale, w_outer, w_block, x_spec, xt_spec, bias, out_dtype, seed, signs, backend):
-    m, k = x.shape
-    y = x.new_empty((m, w_qdata.shape[0]), dtype=out_dtype)
-    return [y] + ([] if xt_spec is None else _fake(k, m, OperandSpec.decode(xt_spec), x.device))
+def _(x, weight, w_spec, x_spec, xt_spec, need_wt, bias, out_dtype, seed, signs, backend):
+    (m, k), n = x.shape, weight.shape[0]
+    out = [x.new_empty((m, n), dtype=out_dtype)]
+    if need_wt:
+        out += _fake(k, n, OperandSpec.decode(w_spec), x.device)
+    if xt_spec is not None:
+        out += _fake(k, m, OperandSpec.decode(xt_spec), x.device)
+    return out
 
 
 @torch.library.custom_op("nvfp4_recipe::linear_grads", mutates_args=())
@@ -136,25 +116,16 @@ def _direct_in_eager(wrapper):
 
 
 @_direct_in_eager
-def quantize(x, spec: OperandSpec, seed, offset: int, signs, backend: str) -> NVFP4Data:
-    """``Backend.quantize``."""
-    return NVFP4Data(*_quantize(x, spec.encode(), seed, offset, signs, backend))
-
-
-@_direct_in_eager
-def quantize_weight(w, spec: OperandSpec, backend: str):
-    """``Backend.quantize_weight``: (W, W^T) NVFP4Data."""
-    t = _quantize_weight(w, spec.encode(), backend)
-    return NVFP4Data(*t[:3]), NVFP4Data(*t[3:])
-
-
-@_direct_in_eager
-def linear_fprop(x, w: NVFP4Data, w_block: str, x_spec: OperandSpec,
-                 xt_spec: Optional[OperandSpec], bias, out_dtype, seed, signs, backend: str):
-    """``Backend.linear_fprop``: (Y, X^T NVFP4Data or None)."""
-    t = _linear_fprop(x, *w, w_block, x_spec.encode(), None if xt_spec is None else xt_spec.encode(),
-                      bias, out_dtype, seed, signs, backend)
-    return t[0], (NVFP4Data(*t[1:]) if xt_spec is not None else None)
+def linear_fprop(x, weight, w_spec: OperandSpec, x_spec: OperandSpec,
+                 xt_spec: Optional[OperandSpec], need_wt: bool, bias, out_dtype, seed, signs,
+                 backend: str):
+    """``Backend.linear_fprop``: (Y, W^T NVFP4Data or None, X^T NVFP4Data or None)."""
+    t = _linear_fprop(x, weight, w_spec.encode(), x_spec.encode(),
+                      None if xt_spec is None else xt_spec.encode(), need_wt, bias, out_dtype, seed,
+                      signs, backend)
+    wt = NVFP4Data(*t[1:4]) if need_wt else None
+    xt = NVFP4Data(*t[-3:]) if xt_spec is not None else None
+    return t[0], wt, xt
 
 
 @_direct_in_eager

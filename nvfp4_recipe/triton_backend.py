@@ -9,11 +9,12 @@ Layout of the work (kernels/quantize.py): a 1D operand is an amax pass plus one 
 reads the (M, K) matrix once and writes the rowwise and/or columnwise copies; a 2D operand (weights)
 is an amax pass plus one pass writing W and its exact transpose.
 
-In NVFP4Linear (``Backend.linear_fprop`` and ``linear_grads``, through ``gemm_operands`` and
-``operand_mm``) the copies a GEMM uses at once (X for fprop, dY for dgrad, dY^T for wgrad) are
-written as fp16 inner values (codes x block scales) instead of codes, so their GEMMs skip the
-dequantize pass of that operand (``gemm.inner_mm``); the values are exactly those the dequantize
-pass would give, so the results are the same bits.
+In NVFP4Linear (``Backend.linear_fprop`` and ``linear_grads``, through ``gemm_operands``,
+``b_operand`` and ``operand_mm``) the copies a GEMM uses at once (X for fprop, dY for dgrad, dY^T
+for wgrad) are written as fp16 inner values (codes x block scales) instead of codes, so their GEMMs
+skip the dequantize pass of that operand (``gemm.inner_mm``); W and W^T are dequantized to inner
+values on the side stream (``streams``) while X and dY are quantized. The values are exactly
+those the dequantize pass would give, so the results are the same bits.
 """
 
 from typing import Optional, Tuple, Union
@@ -119,14 +120,23 @@ class TritonBackend(Backend):
         r, c = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset, rht_signs)
         return _operand(r), _operand(c)
 
-    def operand_mm(self, a, b: NVFP4Data, b_block: str, bias: Optional[torch.Tensor],
+    def b_operand(self, b: NVFP4Data, block: str):
+        """``Backend.b_operand``: B's fp16 inner values (:class:`Inner`, one dequantize pass) where
+        the GEMM operands are inner values (:func:`gemm.inner_values_supported`), else b."""
+        if not G.inner_values_supported(b.qdata.device):
+            return b
+        values = G.dequantize_inner(b.qdata, b.scale, block, out_dtype=torch.float16)
+        return Inner(values, b.outer_scale)
+
+    def operand_mm(self, a, b, b_block: str, bias: Optional[torch.Tensor],
                    out_dtype: torch.dtype) -> torch.Tensor:
         """``Backend.operand_mm``; an :class:`Inner` A skips its dequantize pass
-        (``gemm.inner_mm``, B dequantized to fp16 first)."""
-        if not isinstance(a, Inner):
+        (``gemm.inner_mm``, B made :class:`Inner` by :meth:`b_operand` unless it is)."""
+        if not isinstance(a, Inner):  # no inner values on this device: B has none either
             return super().operand_mm(a, b, b_block, bias, out_dtype)
-        b_inner = G.dequantize_inner(b.qdata, b.scale, b_block, out_dtype=torch.float16)
-        return G.inner_mm(a.values, a.outer_scale, b_inner, b.outer_scale, bias=bias,
+        if not isinstance(b, Inner):
+            b = self.b_operand(b, b_block)
+        return G.inner_mm(a.values, a.outer_scale, b.values, b.outer_scale, bias=bias,
                           out_dtype=out_dtype)
 
     def _quantize_2d(self, x, spec, seed, offset, signs) -> NVFP4Data:
