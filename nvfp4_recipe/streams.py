@@ -10,7 +10,13 @@ Usage: the body of ``with SideStream(device) as side:`` runs on the side stream,
 for everything already queued on the current stream; ``side.join(outputs...)`` makes the current
 stream wait for the side stream and marks the outputs as used by the current stream (so the caching
 allocator does not hand their memory to the side stream while the current one may still read it).
-Both are no-ops off CUDA. CUDA-graph capture records the fork and join as graph edges.
+
+The fork happens only while a CUDA graph is being captured (``torch.cuda.graph``, torch.compile's
+"reduce-overhead" mode), where it becomes two graph edges and costs nothing at replay. In eager
+mode the body runs inline on the current stream: there the fork and join cost about 90 µs of host
+time a layer call (H200 host: a 256-wide layer's forward + backward took 185 µs longer, and the
+host-bound gpu-preset eager step 64.7 ms instead of 55.6), far more than the few µs of GPU time
+they save a small layer.
 """
 
 import functools
@@ -35,11 +41,13 @@ def _tensors(outputs):
 
 
 class SideStream:
-    """Fork the current CUDA stream of ``device`` to a per-device side stream (see the module
-    docstring); on other devices the body runs inline and ``join`` does nothing."""
+    """Fork the current CUDA stream of ``device`` to a per-device side stream while a CUDA graph is
+    being captured on it (see the module docstring); otherwise the body runs inline and ``join``
+    does nothing."""
 
     def __init__(self, device: torch.device):
-        self._main = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self._main = torch.cuda.current_stream(device) if capturing else None
         self._side = None if self._main is None else _side_stream(self._main.device)
         self._context = None
 
