@@ -103,14 +103,15 @@ class Backend:
         x: (M, K) activations, quantized rowwise under ``x_spec`` (SR offset 0); weight: W (N, K),
         quantized under ``w_spec`` (with ``need_wt`` also W^T (K, N) for dgrad,
         :meth:`quantize_weight`). With ``xt_spec`` also quantizes x^T (K, M) for wgrad (from the
-        same read where a backend fuses it). On CUDA the weight is quantized on a side stream
-        while x is (``streams.SideStream``). Returns (Y (M, N) of ``out_dtype``, the W^T copy or
-        None, the X^T copy or None).
+        same read where a backend fuses it). In a CUDA-graph capture the weight is quantized on a
+        side stream while x is (``streams.SideStream``). Returns (Y (M, N) of ``out_dtype``, the
+        W^T copy or None, the X^T copy or None).
         """
         with SideStream(x.device) as side:  # W does not wait for X's passes, nor they for W's
             wq, wtq = (self.quantize_weight(weight, w_spec) if need_wt
                        else (self.quantize(weight, w_spec), None))
-            w = self.b_operand(wq, w_spec.block)
+            # inline, operand_mm prepares W after X's copies exist: a lower peak of memory
+            w = self.b_operand(wq, w_spec.block) if side.forked else wq
         xq, xtq = self.gemm_operands(x, x_spec, xt_spec, seed, 0, 0, rht_signs, (True, False))
         side.join(w, wtq)
         return self.operand_mm(xq, w, w_spec.block, bias, out_dtype), wtq, xtq
@@ -130,7 +131,8 @@ class Backend:
         dW (N, K) of ``dw_dtype`` or None).
         """
         with SideStream(dy.device) as side:  # W^T's preparation beside dY's passes
-            wt = None if wt is None else self.b_operand(wt, w_block)
+            if wt is not None and side.forked:
+                wt = self.b_operand(wt, w_block)
         dyq, dytq = self.gemm_operands(dy, dy_spec if wt is not None else None,
                                        dyt_spec if xt is not None else None, seed, dy_offset,
                                        dyt_offset, rht_signs)

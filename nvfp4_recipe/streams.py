@@ -51,6 +51,11 @@ class SideStream:
         self._side = None if self._main is None else _side_stream(self._main.device)
         self._context = None
 
+    @property
+    def forked(self) -> bool:
+        """Whether the body runs on the side stream (else inline)."""
+        return self._side is not None
+
     def __enter__(self) -> "SideStream":
         if self._side is not None:
             self._side.wait_stream(self._main)

@@ -13,7 +13,8 @@ In NVFP4Linear (``Backend.linear_fprop`` and ``linear_grads``, through ``gemm_op
 ``b_operand`` and ``operand_mm``) the copies a GEMM uses at once (X for fprop, dY for dgrad, dY^T
 for wgrad) are written as fp16 inner values (codes x block scales) instead of codes, so their GEMMs
 skip the dequantize pass of that operand (``gemm.inner_mm``); W and W^T are dequantized to inner
-values on the side stream (``streams``) while X and dY are quantized. The values are exactly
+values by ``b_operand`` (in CUDA graphs on the side stream of ``streams``, while X and dY are
+quantized). The values are exactly
 those the dequantize pass would give, so the results are the same bits.
 """
 
