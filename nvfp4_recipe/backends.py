@@ -107,7 +107,7 @@ class Backend:
         side stream while x is (``streams.SideStream``). Returns (Y (M, N) of ``out_dtype``, the
         W^T copy or None, the X^T copy or None).
         """
-        with SideStream(x.device) as side:  # W does not wait for X's passes, nor they for W's
+        with SideStream(x.device) as side:  # forked, W and X are quantized at the same time
             wq, wtq = (self.quantize_weight(weight, w_spec) if need_wt
                        else (self.quantize(weight, w_spec), None))
             # inline, operand_mm prepares W after X's copies exist: a lower peak of memory

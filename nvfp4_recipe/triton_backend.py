@@ -14,8 +14,8 @@ In NVFP4Linear (``Backend.linear_fprop`` and ``linear_grads``, through ``gemm_op
 for wgrad) are written as fp16 inner values (codes x block scales) instead of codes, so their GEMMs
 skip the dequantize pass of that operand (``gemm.inner_mm``); W and W^T are dequantized to inner
 values by ``b_operand`` (in CUDA graphs on the side stream of ``streams``, while X and dY are
-quantized). The values are exactly
-those the dequantize pass would give, so the results are the same bits.
+quantized). The values are exactly those the dequantize pass would give, so the results are the
+same bits.
 """
 
 from typing import Optional, Tuple, Union
@@ -133,7 +133,10 @@ class TritonBackend(Backend):
                    out_dtype: torch.dtype) -> torch.Tensor:
         """``Backend.operand_mm``; an :class:`Inner` A skips its dequantize pass
         (``gemm.inner_mm``, B made :class:`Inner` by :meth:`b_operand` unless it is)."""
-        if not isinstance(a, Inner):  # no inner values on this device: B has none either
+        # A is codes only where gemm_operands fell back: no inner values on this device (then B
+        # has none either) or a layout quantize_1d does not take in one pass, which no recipe's
+        # fprop or dgrad operand has (their rowwise copies have 1d blocks and no RHT).
+        if not isinstance(a, Inner):
             return super().operand_mm(a, b, b_block, bias, out_dtype)
         if not isinstance(b, Inner):
             b = self.b_operand(b, b_block)
