@@ -77,24 +77,26 @@ def peak_memory(step) -> int:
 def breakdown(layer: NVFP4Linear, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """Milliseconds of each piece of an NVFP4Linear step, timed alone: the backend calls the layer
     makes (``gemm_operands`` then ``operand_mm``; on the Triton backend the transient operands are
-    fp16 inner values, so each GEMM piece includes the dequantize pass of its other operand)."""
+    fp16 inner values, so the fprop and dgrad pieces include the dequantize pass of W or W^T; the
+    dY pass also dequantizes X^T, wgrad's other operand)."""
     r, be = layer.recipe, get_backend(layer.recipe.backend, x.device)
     w, signs, seed = layer.weight, layer.rht_signs, layer.sr_seed
     spec = {role: r.operand(role) for role in ("x_fprop", "w_fprop", "dy_dgrad", "dy_wgrad", "x_wgrad")}
     wq, wtq = be.quantize_weight(w, spec["w_fprop"])
     x_ops = lambda: be.gemm_operands(x, spec["x_fprop"], spec["x_wgrad"], rht_signs=signs,
                                      transient=(True, False))
+    xq, xtq, _ = x_ops()
     dy_ops = lambda: be.gemm_operands(dy, spec["dy_dgrad"], spec["dy_wgrad"], seed,
-                                      SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"], signs)
-    (xq, xtq), (dyq, dytq) = x_ops(), dy_ops()
+                                      SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"], signs, b=xtq)
+    dyq, dytq, xt_b = dy_ops()
     wb = spec["w_fprop"].block
     return {
         "quantize W (+W^T)": bench(lambda: be.quantize_weight(w, spec["w_fprop"])),
         "quantize X (+X^T RHT)": bench(x_ops),
-        "quantize dY (+dY^T RHT)": bench(dy_ops),
+        "quantize dY (+dY^T RHT, X^T dequantized)": bench(dy_ops),
         "fprop GEMM": bench(lambda: be.operand_mm(xq, wq, wb, layer.bias, torch.bfloat16)),
         "dgrad GEMM": bench(lambda: be.operand_mm(dyq, wtq, wb, None, torch.bfloat16)),
-        "wgrad GEMM": bench(lambda: be.operand_mm(dytq, xtq, "1d", None, torch.float32)),
+        "wgrad GEMM": bench(lambda: be.operand_mm(dytq, xt_b, "1d", None, torch.float32)),
     }
 
 

@@ -69,18 +69,23 @@ class Backend:
                       col: Optional[OperandSpec], seed: R.IntOrTensor = 0,
                       row_offset: R.IntOrTensor = 0, col_offset: R.IntOrTensor = 0,
                       rht_signs: Optional[torch.Tensor] = None,
-                      transient: Tuple[bool, bool] = (True, True)):
+                      transient: Tuple[bool, bool] = (True, True), b: Optional[NVFP4Data] = None):
         """The rowwise copy of x (M, K) under ``row`` and the columnwise copy (x^T's, (K, M)) under
-        ``col`` (each None to skip) as A operands of :meth:`operand_mm`.
+        ``col`` (each None to skip) as A operands of :meth:`operand_mm`, and ``b`` (a 1d B operand
+        or None) prepared by :meth:`b_operand`, which a backend may do in the same pass.
 
         ``transient[i]``: copy i only feeds the GEMM that follows, so a backend may return it in a
         form only :meth:`operand_mm` takes (the Triton backend: fp16 inner values); the other
         copies are :class:`NVFP4Data` (kept for backward). Here all are NVFP4Data.
+        Returns (rowwise copy or None, columnwise copy or None, prepared b or None).
         """
         if row is not None and col is not None:
-            return self.quantize_pair(x, row, col, seed, row_offset, col_offset, rht_signs)
-        return (None if row is None else self.quantize(x, row, seed, row_offset, rht_signs),
-                None if col is None else self.quantize(x.t(), col, seed, col_offset, rht_signs))
+            copies = self.quantize_pair(x, row, col, seed, row_offset, col_offset, rht_signs)
+        else:
+            copies = (None if row is None else self.quantize(x, row, seed, row_offset, rht_signs),
+                      None if col is None else self.quantize(x.t(), col, seed, col_offset,
+                                                             rht_signs))
+        return (*copies, None if b is None else self.b_operand(b, "1d"))
 
     def b_operand(self, b: NVFP4Data, block: str):
         """B (N, K) with ``block`` blocks in the form :meth:`operand_mm` takes; a backend may
@@ -112,7 +117,7 @@ class Backend:
                        else (self.quantize(weight, w_spec), None))
             # inline, operand_mm prepares W after X's copies exist: a lower peak of memory
             w = self.b_operand(wq, w_spec.block) if side.forked else wq
-        xq, xtq = self.gemm_operands(x, x_spec, xt_spec, seed, 0, 0, rht_signs, (True, False))
+        xq, xtq, _ = self.gemm_operands(x, x_spec, xt_spec, seed, 0, 0, rht_signs, (True, False))
         side.join(w, wtq)
         return self.operand_mm(xq, w, w_spec.block, bias, out_dtype), wtq, xtq
 
@@ -133,9 +138,10 @@ class Backend:
         with SideStream(dy.device) as side:  # W^T's preparation beside dY's passes
             if wt is not None and side.forked:
                 wt = self.b_operand(wt, w_block)
-        dyq, dytq = self.gemm_operands(dy, dy_spec if wt is not None else None,
-                                       dyt_spec if xt is not None else None, seed, dy_offset,
-                                       dyt_offset, rht_signs)
+        # X^T, wgrad's B, is prepared with dY's copies (the Triton backend: in the same pass)
+        dyq, dytq, xt = self.gemm_operands(dy, dy_spec if wt is not None else None,
+                                           dyt_spec if xt is not None else None, seed, dy_offset,
+                                           dyt_offset, rht_signs, b=xt)
         side.join(wt)
         dx = None if dyq is None else self.operand_mm(dyq, wt, w_block, None, dx_dtype)
         del dyq  # frees dY's copy before the wgrad GEMM

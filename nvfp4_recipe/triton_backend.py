@@ -14,8 +14,9 @@ In NVFP4Linear (``Backend.linear_fprop`` and ``linear_grads``, through ``gemm_op
 for wgrad) are written as fp16 inner values (codes x block scales) instead of codes, so their GEMMs
 skip the dequantize pass of that operand (``gemm.inner_mm``); W and W^T are dequantized to inner
 values by ``b_operand`` (in CUDA graphs on the side stream of ``streams``, while X and dY are
-quantized). The values are exactly those the dequantize pass would give, so the results are the
-same bits.
+quantized), and X^T, wgrad's B, by the dY pass itself (``gemm_operands(b=...)``: its memory
+traffic overlaps that pass's arithmetic). The values are exactly those the dequantize pass would
+give, so the results are the same bits.
 """
 
 from typing import Optional, Tuple, Union
@@ -87,8 +88,8 @@ class TritonBackend(Backend):
         both copies, one quantize pass); other cases fall back to two ``quantize`` calls."""
         if not _one_pass(x, row, col):
             return super().quantize_pair(x, row, col, seed, row_offset, col_offset, rht_signs)
-        r, c = _quantize_copies(x, row, col, (False, False), seed, row_offset, col_offset,
-                                rht_signs)
+        r, c, _ = _quantize_copies(x, row, col, (False, False), seed, row_offset, col_offset,
+                                   rht_signs)
         return _data(r), _data(c)
 
     def quantize_weight(self, w: torch.Tensor, spec: OperandSpec) -> Tuple[NVFP4Data, NVFP4Data]:
@@ -111,23 +112,24 @@ class TritonBackend(Backend):
                       col: Optional[OperandSpec], seed: R.IntOrTensor = 0,
                       row_offset: R.IntOrTensor = 0, col_offset: R.IntOrTensor = 0,
                       rht_signs: Optional[torch.Tensor] = None,
-                      transient: Tuple[bool, bool] = (True, True)):
+                      transient: Tuple[bool, bool] = (True, True), b: Optional[NVFP4Data] = None):
         """``Backend.gemm_operands`` from one quantize pass, the transient copies written as
-        :class:`Inner` fp16 values (GPUs with E4M3 conversion, sm89+, and the interpreter)."""
+        :class:`Inner` fp16 values (GPUs with E4M3 conversion, sm89+, and the interpreter), b's
+        inner values written by the same launch where it has a columnwise copy."""
         if (row is None and col is None) or not _one_pass(x, row, col) or not \
                 G.inner_values_supported(x.device):
             return super().gemm_operands(x, row, col, seed, row_offset, col_offset, rht_signs,
-                                         transient)
-        r, c = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset, rht_signs)
-        return _operand(r), _operand(c)
+                                         transient, b)
+        r, c, b = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset,
+                                   rht_signs, b)
+        return _operand(r), _operand(c), b
 
     def b_operand(self, b: NVFP4Data, block: str):
         """``Backend.b_operand``: B's fp16 inner values (:class:`Inner`, one dequantize pass) where
         the GEMM operands are inner values (:func:`gemm.inner_values_supported`), else b."""
         if not G.inner_values_supported(b.qdata.device):
             return b
-        values = G.dequantize_inner(b.qdata, b.scale, block, out_dtype=torch.float16)
-        return Inner(values, b.outer_scale)
+        return _dequantized(b, block)
 
     def operand_mm(self, a, b, b_block: str, bias: Optional[torch.Tensor],
                    out_dtype: torch.dtype) -> torch.Tensor:
@@ -162,22 +164,38 @@ def _one_pass(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[Operand
 
 
 def _quantize_copies(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[OperandSpec],
-                     inner: Tuple[bool, bool], seed, row_offset, col_offset, rht_signs):
+                     inner: Tuple[bool, bool], seed, row_offset, col_offset, rht_signs,
+                     b: Optional[NVFP4Data] = None):
     """quantize_1d of x's rowwise and columnwise copies (each None to skip; :func:`_one_pass`
-    holds), those ``inner`` names as :class:`Inner` values; a transposed view x (``base.t()``) is
-    read through base, its rows being base's columns (coalesced)."""
+    holds), those ``inner`` names as :class:`Inner` values, and the Inner values of ``b`` (a 1d
+    operand or None), written by the same launch where it makes a columnwise copy (else by a
+    dequantize pass). A transposed view x (``base.t()``) is read through base, its rows being
+    base's columns (coalesced). Returns (rowwise, columnwise, b's Inner or None)."""
     for t, spec in ((x, row), (x.t(), col)):
         if spec is not None:
             R.check_input(t, spec.block, spec.scaling, spec.rounding)
     signs = _signs(rht_signs, col) if col is not None else None
     r, c = [None if sp is None else _copy_spec(sp)._replace(inner=i)
             for sp, i in ((row, inner[0]), (col, inner[1]))]
-    if _is_transposed_view(x):
-        out_c, out_r = quantize_1d(x.t(), row=c, col=r, seed=seed, row_offset=col_offset,
-                                   col_offset=row_offset, signs=signs)
-        return out_r, out_c
-    return quantize_1d(x, row=r, col=c, seed=seed, row_offset=row_offset, col_offset=col_offset,
-                       signs=signs)
+    transposed = _is_transposed_view(x)
+    if transposed:
+        x, r, c, row_offset, col_offset = x.t(), c, r, col_offset, row_offset
+    b_inner = deq = None
+    if b is not None and c is not None:
+        b_inner = Inner(torch.empty(b.qdata.shape[0], 2 * b.qdata.shape[1], dtype=torch.float16,
+                                    device=x.device), b.outer_scale)
+        deq = (b.qdata, b.scale, b_inner.values)
+    out_r, out_c = quantize_1d(x, row=r, col=c, seed=seed, row_offset=row_offset,
+                               col_offset=col_offset, signs=signs, dequantize=deq)
+    if b is not None and deq is None:
+        b_inner = _dequantized(b, "1d")
+    return (out_c, out_r, b_inner) if transposed else (out_r, out_c, b_inner)
+
+
+def _dequantized(b: NVFP4Data, block: str) -> Inner:
+    """b's fp16 inner values from a dequantize pass."""
+    return Inner(G.dequantize_inner(b.qdata, b.scale, block, out_dtype=torch.float16),
+                 b.outer_scale)
 
 
 def _operand(q: Union[Quantized, Inner, None]):

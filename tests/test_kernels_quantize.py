@@ -242,12 +242,68 @@ def test_gemm_operands_transient_copy_is_inner(transposed):
     row, col = r.operand("dy_dgrad"), r.operand("dy_wgrad")
     x = rand((80, 48), seed=12).t() if transposed else rand((48, 80), seed=12)
     kw = dict(seed=torch.tensor(3), row_offset=1, col_offset=2**31, rht_signs=signs_for())
-    a, at = triton_backend("cpu").gemm_operands(x, row, col, **kw, transient=(True, False))
+    a, at, none = triton_backend("cpu").gemm_operands(x, row, col, **kw, transient=(True, False))
     ref = REF.quantize_pair(x, row, col, **kw)
-    assert isinstance(a, Inner) and isinstance(at, R.NVFP4Data)
+    assert isinstance(a, Inner) and isinstance(at, R.NVFP4Data) and none is None
     assert torch.equal(a.values.float(), R.dequantize_inner(ref[0].qdata, ref[0].scale))
     assert torch.equal(a.outer_scale, ref[0].outer_scale)
     assert_same(at, ref[1])
+
+
+def check_dequantize_rider(x, b_shape, device="cpu"):
+    """The dY pass of NVFP4Linear with X^T riding along (``quantize_1d(dequantize=...)``): the
+    rider's values equal the dequantize pass's, bit for bit, and the pair equals the pair alone."""
+    r = NVFP4Recipe()
+    row, col = (TB._copy_spec(r.operand(role))._replace(inner=True)
+                for role in ("dy_dgrad", "dy_wgrad"))
+    b = TB._data(quantize_1d(rand(b_shape, seed=8, device=device), TB._copy_spec(spec()))[0])
+    kw = dict(seed=torch.tensor(7, device=device), row_offset=3, col_offset=2**31,
+              signs=signs_for().to(device))
+    out = torch.full((b_shape[0], b_shape[1]), float("nan"), dtype=torch.float16, device=device)
+    got = quantize_1d(x, row, col, **kw, dequantize=(b.qdata, b.scale, out))
+    alone = quantize_1d(x, row, col, **kw)
+    for g, a in zip(got, alone):
+        assert torch.equal(g.values, a.values) and torch.equal(g.outer_scale, a.outer_scale)
+    want = R.dequantize_inner(b.qdata.cpu(), b.scale.cpu())
+    assert torch.equal(out.float().cpu(), want), (out.float().cpu() != want).nonzero()[:5]
+
+
+@pytest.mark.parametrize("b_shape", [(40, 80), (112, 1024)], ids=idfn)
+def test_dequantize_rides_on_the_pair(b_shape):
+    """Ragged rider shapes (rows and K not multiples of the dequantize tile), fewer and more
+    rider tiles than programs."""
+    check_dequantize_rider(rand((48, 80), seed=4), b_shape)
+
+
+def test_dequantize_rider_rejects_bad_input():
+    x = rand((32, 32))
+    b = TB._data(quantize_1d(rand((16, 32)), TB._copy_spec(spec()))[0])
+    good = torch.empty(16, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="columnwise copy"):
+        quantize_1d(x, TB._copy_spec(spec()), dequantize=(b.qdata, b.scale, good))
+    with pytest.raises(ValueError, match=r"out must be \(16, 32\)"):
+        quantize_1d(x, col=TB._copy_spec(spec()), dequantize=(b.qdata, b.scale, good.t()))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        quantize_1d(x, col=TB._copy_spec(spec()), dequantize=(b.qdata, b.qdata, good))
+
+
+@pytest.mark.parametrize("transposed,dgrad", [(False, True), (True, True), (False, False),
+                                              (True, False)], ids=idfn)
+def test_gemm_operands_prepares_b(transposed, dgrad):
+    """gemm_operands(b=X^T) as linear_grads calls it: b's inner values, from the dY pass or (no
+    columnwise copy in that launch) a dequantize pass, equal the dequantized codes; the copies
+    equal the reference."""
+    r = NVFP4Recipe()
+    row, col = (r.operand("dy_dgrad") if dgrad else None), r.operand("dy_wgrad")
+    x = rand((80, 48), seed=12).t() if transposed else rand((48, 80), seed=12)
+    b = REF.quantize(rand((32, 80), seed=13), spec())
+    kw = dict(seed=torch.tensor(3), row_offset=1, col_offset=2**31, rht_signs=signs_for())
+    a, at, b_inner = triton_backend("cpu").gemm_operands(x, row, col, **kw, b=b)
+    assert torch.equal(b_inner.values.float(), R.dequantize_inner(b.qdata, b.scale))
+    assert b_inner.outer_scale is b.outer_scale
+    ref = REF.quantize(x.t(), col, kw["seed"], kw["col_offset"], kw["rht_signs"])
+    assert torch.equal(at.values.float(), R.dequantize_inner(ref.qdata, ref.scale))
+    assert (a is None) != dgrad
 
 
 @pytest.mark.parametrize("block", ["1d", "2d"])
@@ -352,6 +408,15 @@ def test_cuda_inner_copies(name, row, col, device):
               rht_signs=signs_for().to(device))
     check_inner_copies(x, row, col, (True, True), **kw)
     check_inner_copies(x, row, None, (True, False), **kw)
+
+
+@pytest.mark.cuda
+def test_cuda_dequantize_rider(device):
+    """The rider at a gpu-preset wgrad shape (X^T 2048 x 8192: more rider tiles than programs)
+    and a ragged one, with the GPU's inline-PTX dequantization."""
+    x = rand((8192, 512), device=device, seed=11)
+    check_dequantize_rider(x, (2048, 8192), device)
+    check_dequantize_rider(x, (1000, 4112), device)
 
 
 @pytest.mark.cuda

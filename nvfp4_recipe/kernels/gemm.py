@@ -130,15 +130,10 @@ def _scale_blocks(v, s, ROWS: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _load_dequant(q_ptr, s_ptr, rows, kb, KB, stride_q, stride_s, ROWS: tl.constexpr,
-                  H: tl.constexpr, BLOCK_2D: tl.constexpr, EVEN_K: tl.constexpr,
-                  PTX: tl.constexpr):
-    """Dequantize packed bytes [kb, kb + H) of ``rows`` (all in range): codes x block scales.
-
-    Returns (lo, hi), each (ROWS, H): lo[:, j] is element 2 * (kb + j) (low nibble), hi[:, j] is
-    element 2 * (kb + j) + 1; fp16 through :func:`_dequant_ptx` if PTX, else fp32. Bytes at or past
-    KB (only when not EVEN_K) read as zero.
-    """
+def _load_codes(q_ptr, s_ptr, rows, kb, KB, stride_q, stride_s, H: tl.constexpr,
+                BLOCK_2D: tl.constexpr, EVEN_K: tl.constexpr):
+    """Packed bytes [kb, kb + H) of ``rows`` (all in range) and their block scales: (q (ROWS, H)
+    uint8, fp32 scales (ROWS, H // 8)). Bytes at or past KB (only when not EVEN_K) read as zero."""
     cols = kb + tl.arange(0, H)
     scols = kb // 8 + tl.arange(0, H // 8)
     srows = rows // 16 if BLOCK_2D else rows
@@ -150,13 +145,30 @@ def _load_dequant(q_ptr, s_ptr, rows, kb, KB, stride_q, stride_s, ROWS: tl.const
     else:
         q = tl.load(q_ptrs, mask=cols[None, :] < KB, other=0)
         s = tl.load(s_ptrs, mask=scols[None, :] < KB // 8, other=0.0)
-    s = s.to(tl.float32)
+    return q, s.to(tl.float32)
+
+
+@triton.jit
+def _dequant_codes(q, s, ROWS: tl.constexpr, H: tl.constexpr, PTX: tl.constexpr):
+    """Codes x block scales of packed bytes q (ROWS, H) with scales s (ROWS, H // 8): (lo, hi),
+    each (ROWS, H), lo[:, j] the low nibble of byte j (element 2 j), hi[:, j] the high one;
+    fp16 through :func:`_dequant_ptx` if PTX, else fp32."""
     if PTX:
         lo, hi = _dequant_ptx(q, s, ROWS, H)
     else:
         lo = _scale_blocks(_e2m1_to_f32(q & 0xF), s, ROWS, H)
         hi = _scale_blocks(_e2m1_to_f32(q >> 4), s, ROWS, H)
     return lo, hi
+
+
+@triton.jit
+def _load_dequant(q_ptr, s_ptr, rows, kb, KB, stride_q, stride_s, ROWS: tl.constexpr,
+                  H: tl.constexpr, BLOCK_2D: tl.constexpr, EVEN_K: tl.constexpr,
+                  PTX: tl.constexpr):
+    """:func:`_dequant_codes` of :func:`_load_codes`: lo[:, j] is element 2 * (kb + j), hi[:, j]
+    element 2 * (kb + j) + 1."""
+    q, s = _load_codes(q_ptr, s_ptr, rows, kb, KB, stride_q, stride_s, H, BLOCK_2D, EVEN_K)
+    return _dequant_codes(q, s, ROWS, H, PTX)
 
 
 @triton.jit
@@ -276,18 +288,29 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, KB, stride_q, stride_s, stride_o,
-                    BLOCK_2D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr,
-                    EVEN_K: tl.constexpr, PTX: tl.constexpr):
-    """Codes x block scales of one (BR rows, H bytes) tile into columns [2*kb, 2*kb + 2*H) (those
-    in range), in order. A 1-D grid with the tiles of a row band fastest, so that the programs
-    running together read and write whole rows rather than a column strip of the whole matrix
-    (0.067 -> 0.062 ms for both operands at 16384 x 4096 x 4096 on the H200, one run each)."""
+def _tile_origin(tile, KB, BR: tl.constexpr, H: tl.constexpr):
+    """(rows, first byte) of dequantize tile ``tile``: BR rows x H bytes, a row band's tiles
+    consecutive."""
     n_kb = tl.cdiv(KB, H)
-    rows = (tl.program_id(0) // n_kb) * BR + tl.arange(0, BR)
-    kb = (tl.program_id(0) % n_kb) * H
-    lo, hi = _load_dequant(q_ptr, s_ptr, rows % R, kb, KB, stride_q, stride_s, BR, H, BLOCK_2D,
-                           EVEN_K, PTX)
+    return (tile // n_kb) * BR + tl.arange(0, BR), (tile % n_kb) * H
+
+
+@triton.jit
+def load_codes_tile(q_ptr, s_ptr, R, KB, stride_q, stride_s, tile, BLOCK_2D: tl.constexpr,
+                    BR: tl.constexpr, H: tl.constexpr, EVEN_K: tl.constexpr):
+    """The codes and fp32 block scales of dequantize tile ``tile`` of an (R, 2 KB) operand, for
+    :func:`store_inner_tile` (rows past R wrap onto valid ones; their stores are masked)."""
+    rows, kb = _tile_origin(tile, KB, BR, H)
+    return _load_codes(q_ptr, s_ptr, rows % R, kb, KB, stride_q, stride_s, H, BLOCK_2D, EVEN_K)
+
+
+@triton.jit
+def store_inner_tile(q, s, out_ptr, R, KB, stride_o, tile, BR: tl.constexpr, H: tl.constexpr,
+                     EVEN_K: tl.constexpr, PTX: tl.constexpr):
+    """Codes x block scales of tile ``tile`` (from :func:`load_codes_tile`) into the operand's
+    columns [2 kb, 2 kb + 2 H) (those in range), in order."""
+    rows, kb = _tile_origin(tile, KB, BR, H)
+    lo, hi = _dequant_codes(q, s, BR, H, PTX)
     v = tl.reshape(tl.join(lo, hi), (BR, 2 * H))
     cols = tl.arange(0, 2 * H)[None, :]
     mask = (rows < R)[:, None]
@@ -295,6 +318,19 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, KB, stride_q, stride_s, stride_o,
         mask = mask & (cols < 2 * (KB - kb))
     tl.store(out_ptr + rows[:, None] * stride_o + 2 * kb + cols, v.to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, KB, stride_q, stride_s, stride_o,
+                    BLOCK_2D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr,
+                    EVEN_K: tl.constexpr, PTX: tl.constexpr):
+    """One dequantize tile a program (:func:`load_codes_tile`, :func:`store_inner_tile`): a 1-D
+    grid with the tiles of a row band fastest, so that the programs running together read and
+    write whole rows rather than a column strip of the whole matrix (0.067 -> 0.062 ms for both
+    operands at 16384 x 4096 x 4096 on the H200, one run each)."""
+    tile = tl.program_id(0)
+    q, s = load_codes_tile(q_ptr, s_ptr, R, KB, stride_q, stride_s, tile, BLOCK_2D, BR, H, EVEN_K)
+    store_inner_tile(q, s, out_ptr, R, KB, stride_o, tile, BR, H, EVEN_K, PTX)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,21 +608,29 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     return _finish(out, out_dtype)
 
 
+def dequant_job(op: Operand, out: torch.Tensor, cfg: Optional[dict] = None):
+    """The arguments of :func:`load_codes_tile` and :func:`store_inner_tile` for writing a
+    validated operand's inner values into ``out`` ((rows, K), contiguous along K): (pointer and
+    size arguments, constexprs, number of tiles). The dequantize kernel runs one tile a program;
+    the quantize pair kernel runs a share of them after its own work
+    (``kernels.quantize.quantize_1d(dequantize=...)``)."""
+    cfg = dict(BR=16, BK=64) if interpreting() else dict(cfg or DEQUANT_CONFIG)
+    h, kb = cfg["BK"] // 2, op.k // 2
+    args = (op.qdata, op.scale, out, op.rows, kb, op.qdata.stride(0), op.scale.stride(0),
+            out.stride(0))
+    consts = dict(BLOCK_2D=op.block == "2d", BR=cfg["BR"], H=h, EVEN_K=kb % h == 0,
+                  PTX=out.dtype == torch.float16 and _ptx_dequant(op.qdata.device))
+    return args, consts, triton.cdiv(op.rows, cfg["BR"]) * triton.cdiv(kb, h)
+
+
 def _dequantize(op: Operand, out_dtype, cfg: Optional[dict] = None) -> torch.Tensor:
     """Launch :func:`_dequant_kernel` on a validated operand; (rows, K) of ``out_dtype``."""
-    cfg = dict(cfg or DEQUANT_CONFIG)
-    if interpreting():
-        cfg = dict(BR=16, BK=64, num_warps=4)
-    h = cfg.pop("BK") // 2
-    kb = op.k // 2
-    ptx = out_dtype == torch.float16 and _ptx_dequant(op.qdata.device)
     out = torch.empty((op.rows, op.k), dtype=out_dtype, device=op.qdata.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(op.rows, cfg["BR"]) * triton.cdiv(kb, h),)
-    LAST_KERNEL["dequant"] = _dequant_kernel[grid](op.qdata, op.scale, out, op.rows, kb, op.qdata.stride(0),
-                          op.scale.stride(0), out.stride(0), BLOCK_2D=op.block == "2d", H=h,
-                          EVEN_K=kb % h == 0, PTX=ptx, **cfg)
+    args, consts, tiles = dequant_job(op, out, cfg)
+    num_warps = 4 if interpreting() else (cfg or DEQUANT_CONFIG)["num_warps"]
+    LAST_KERNEL["dequant"] = _dequant_kernel[(tiles,)](*args, **consts, num_warps=num_warps)
     return out
 
 

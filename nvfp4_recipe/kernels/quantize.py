@@ -15,7 +15,8 @@ registers), its columnwise blocks a (columns, blocks, 16) tensor read separately
 the contiguous axis (``common.load_col_blocks``: the second read of each line hits L1/L2), so a
 block's 16 elements sit in one thread for the amax, the RHT butterfly, the rounding and the nibble
 packing; Triton picks the lanes and converts layouts before the stores. Calls with a columnwise
-copy use ``_quantize_1d_kernel`` (one tile per program); rowwise-only calls use
+copy use ``_quantize_1d_kernel`` (one tile per program, optionally with a share of another
+operand's dequantize pass riding along: NVFP4Linear's X^T in the dY pass); rowwise-only calls use
 ``_quantize_rows_kernel`` (T tiles per program along K, the next tile loaded while the current
 one is quantized), which measured faster for them and slower for the pairs (docs/benchmarks.md).
 """
@@ -30,7 +31,8 @@ from . import amax as A
 from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
                      load_col_blocks, load_row_blocks, outer_scale, prune_wide_tiles, quantize_block,
                      rht16, scalar_arg)
-from .gemm import inner_values_supported, interpreting
+from .gemm import (check_operand, dequant_job, inner_values_supported, interpreting,
+                   load_codes_tile, store_inner_tile)
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -156,21 +158,29 @@ def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, 
 
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
                                            "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
-                                           "COL_MULT", "COL_INNER"],
+                                           "COL_MULT", "COL_INNER", "DEQ", "D_R", "D_KB"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
                         cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
+                        dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
                         ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
                         ROW_MULT: tl.constexpr, ROW_INNER: tl.constexpr, COL_RHT: tl.constexpr,
                         COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
                         COL_INNER: tl.constexpr,
                         SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
+                        DEQ: tl.constexpr, D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr,
+                        D_H: tl.constexpr, D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
     """The kernel of calls with a columnwise copy (and an optional rowwise one, ROW). One
     (16 BB, 16 BC) tile of x per program. Rowwise: the tile's (16 BB, BC, 16) row blocks;
-    columnwise: its (16 BC, BB, 16) column blocks, read again right after (L1/L2 hits)."""
+    columnwise: its (16 BC, BB, 16) column blocks, read again right after (L1/L2 hits).
+    With DEQ each program then takes every num_programs-th tile of another operand's dequantize
+    pass (``gemm.load_codes_tile``, ``store_inner_tile``): memory traffic that overlaps the
+    issue-bound arithmetic of the other programs on the SM, where a dequantize kernel on another
+    stream did not (docs/benchmarks.md). Loading the tile early, into registers or L2, measured
+    slower."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)
@@ -189,6 +199,13 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
     _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg, signs_ptr,
                    seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN, COL_MULT, COL_RHT,
                    COL_SR, COL_INNER)
+    if DEQ:  # this program's share of the dequantize tiles
+        n_prog = tl.num_programs(0) * tl.num_programs(1)
+        for t in range(pid_b * tl.num_programs(1) + pid_c, tl.cdiv(D_R, D_BR) * tl.cdiv(D_KB, D_H),
+                       n_prog):
+            q, s = load_codes_tile(dq_ptr, ds_ptr, D_R, D_KB, d_stride_q, d_stride_s, t,
+                                   D_BLOCK_2D, D_BR, D_H, D_EVEN_K)
+            store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
 @triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER"],
@@ -322,6 +339,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
                 *, seed: IntOrTensor = 0, row_offset: IntOrTensor = 0, col_offset: IntOrTensor = 0,
                 signs: Optional[torch.Tensor] = None,
                 amaxes: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                dequantize: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                 ) -> Tuple[Optional[Union[Quantized, Inner]], Optional[Union[Quantized, Inner]]]:
     """Rowwise and/or columnwise 1D NVFP4 quantization of a matrix from one read (plus the amax pass).
 
@@ -335,21 +353,30 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
         signs: (16,) +-1 RHT signs (any device; needed when a copy has ``rht``).
         amaxes: the (row, column) fp32 amaxes as :func:`amax_pass` returns them for these specs, to
             skip the amax pass (benchmarks time the two passes apart).
+        dequantize: (qdata, scale, out): another 1d NVFP4 operand, packed codes (R, C/2) uint8 and
+            E4M3 block scales (R, C/16), whose inner values (``gemm.dequantize_inner``, exact) the
+            same launch writes into out ((R, C) float16/bfloat16/float32, unit stride along C).
+            Only with a columnwise copy: that pass is bound by instruction issue, so the
+            dequantization's memory traffic overlaps its arithmetic (docs/benchmarks.md).
     Returns:
         (rowwise, columnwise) :class:`Quantized` or None each: qdata (M, K/2) / (K, M/2) uint8,
         scale (M, K/16) / (K, M/16) float8_e4m3fn, outer scale () or (M,) / (K,) fp32; a copy
         whose spec has ``inner`` is an :class:`Inner` instead: values (M, K) / (K, M) float16.
     Raises:
-        TypeError: unsupported dtype. ValueError: shape, an RHT without signs, or an ``inner``
-            copy on a GPU without E4M3 conversion (before sm89).
+        TypeError: unsupported dtype. ValueError: shape, an RHT without signs, an ``inner``
+            copy on a GPU without E4M3 conversion (before sm89), or ``dequantize`` without a
+            columnwise copy (or with tensors as :func:`gemm.check_operand` refuses, a wrongly
+            shaped out, another device).
     Source: spec items 1-10 of docs/numerics.md (reference.py).
     """
     A.check_matrix(x, rows16=col is not None, cols16=row is not None)
+    if dequantize is not None and col is None:
+        raise ValueError("dequantize runs in the pass that writes a columnwise copy; there is none")
     if row is not None and row.rht:
         # RHT along K = the columnwise path of x^T (a strided view; slower loads, same bits)
         return (quantize_1d(x.t(), col=row, seed=seed, col_offset=row_offset, signs=signs)[1],
-                quantize_1d(x, col=col, seed=seed, col_offset=col_offset, signs=signs)[1]
-                if col is not None else None)
+                quantize_1d(x, col=col, seed=seed, col_offset=col_offset, signs=signs,
+                            dequantize=dequantize)[1] if col is not None else None)
     if (row and row.rht or col and col.rht) and signs is None:
         raise ValueError("an RHT copy needs the 16 RHT signs")
     if (row and row.inner or col and col.inner) and not inner_values_supported(x.device):
@@ -371,18 +398,40 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
             MULT=row.amax_scale is not None, INNER=row.inner, SEED_PTR=seed_p, OFF_PTR=roff_p)
         return _finished(r), None
     dummy = x
+    d_args, d_consts = _dequantize_job(dequantize, dummy)
     grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
     _quantize_1d_kernel[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
         *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
         row_amax if r else dummy, float(row.amax_scale or 1.0) if r else 1.0, roff_a,
-        *_pointers(c), c.outer_scale, col_amax, float(col.amax_scale or 1.0), coff_a,
+        *_pointers(c), c.outer_scale, col_amax, float(col.amax_scale or 1.0), coff_a, *d_args,
+        DEQ=dequantize is not None, **d_consts,
         ROW=r is not None, ROW_SR=bool(row and row.sr), ROW_PER_TOKEN=bool(row and row.per_token),
         ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and row.inner),
         COL_RHT=col.rht, COL_SR=col.sr, COL_PER_TOKEN=col.per_token,
         COL_MULT=col.amax_scale is not None, COL_INNER=col.inner,
         SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
     return (_finished(r) if r else None, _finished(c))
+
+
+def _dequantize_job(dequantize, x: torch.Tensor):
+    """The dequantize arguments and ``D_*`` constexprs of :func:`_quantize_1d_kernel` for
+    ``quantize_1d(dequantize=...)`` (dummies for None)."""
+    if dequantize is None:
+        return (x, x, x, 0, 0, 0, 0, 0), dict(D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True,
+                                               D_PTX=False)
+    qdata, scale, out = dequantize
+    op = check_operand("dequantize", qdata, scale, None, "1d")
+    if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"dequantize: out must be float16, bfloat16 or float32, got {out.dtype}")
+    if tuple(out.shape) != (op.rows, op.k) or (op.k > 1 and out.stride(1) != 1):
+        raise ValueError(f"dequantize: out must be ({op.rows}, {op.k}) with unit stride along K, "
+                         f"got {tuple(out.shape)} with strides {out.stride()}")
+    if op.device != x.device or out.device != x.device:
+        raise ValueError(f"dequantize: its tensors are on {op.device} and {out.device}, x on "
+                         f"{x.device}")
+    args, consts, _ = dequant_job(op, out)
+    return args, {f"D_{k}": v for k, v in consts.items()}
 
 
 def amax_pass(x: torch.Tensor, row: Optional[CopySpec], col: Optional[CopySpec],
