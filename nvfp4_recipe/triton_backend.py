@@ -120,16 +120,19 @@ class TritonBackend(Backend):
                 G.inner_values_supported(x.device):
             return super().gemm_operands(x, row, col, seed, row_offset, col_offset, rht_signs,
                                          transient, b)
-        r, c, b = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset,
-                                   rht_signs, b)
-        return _operand(r), _operand(c), b
+        r, c, b_inner = _quantize_copies(x, row, col, transient, seed, row_offset, col_offset,
+                                         rht_signs, b)
+        if b is not None and b_inner is None:  # no columnwise copy in that launch to ride on
+            b_inner = self.b_operand(b, "1d")
+        return _operand(r), _operand(c), b_inner
 
     def b_operand(self, b: NVFP4Data, block: str):
         """``Backend.b_operand``: B's fp16 inner values (:class:`Inner`, one dequantize pass) where
         the GEMM operands are inner values (:func:`gemm.inner_values_supported`), else b."""
         if not G.inner_values_supported(b.qdata.device):
             return b
-        return _dequantized(b, block)
+        values = G.dequantize_inner(b.qdata, b.scale, block, out_dtype=torch.float16)
+        return Inner(values, b.outer_scale)
 
     def operand_mm(self, a, b, b_block: str, bias: Optional[torch.Tensor],
                    out_dtype: torch.dtype) -> torch.Tensor:
@@ -168,9 +171,9 @@ def _quantize_copies(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[
                      b: Optional[NVFP4Data] = None):
     """quantize_1d of x's rowwise and columnwise copies (each None to skip; :func:`_one_pass`
     holds), those ``inner`` names as :class:`Inner` values, and the Inner values of ``b`` (a 1d
-    operand or None), written by the same launch where it makes a columnwise copy (else by a
-    dequantize pass). A transposed view x (``base.t()``) is read through base, its rows being
-    base's columns (coalesced). Returns (rowwise, columnwise, b's Inner or None)."""
+    operand or None) where the launch makes a columnwise copy for them to ride on. A transposed
+    view x (``base.t()``) is read through base, its rows being base's columns (coalesced).
+    Returns (rowwise, columnwise, b's Inner or None: b not given or not made)."""
     for t, spec in ((x, row), (x.t(), col)):
         if spec is not None:
             R.check_input(t, spec.block, spec.scaling, spec.rounding)
@@ -187,15 +190,7 @@ def _quantize_copies(x: torch.Tensor, row: Optional[OperandSpec], col: Optional[
         deq = (b.qdata, b.scale, b_inner.values)
     out_r, out_c = quantize_1d(x, row=r, col=c, seed=seed, row_offset=row_offset,
                                col_offset=col_offset, signs=signs, dequantize=deq)
-    if b is not None and deq is None:
-        b_inner = _dequantized(b, "1d")
     return (out_c, out_r, b_inner) if transposed else (out_r, out_c, b_inner)
-
-
-def _dequantized(b: NVFP4Data, block: str) -> Inner:
-    """b's fp16 inner values from a dequantize pass."""
-    return Inner(G.dequantize_inner(b.qdata, b.scale, block, out_dtype=torch.float16),
-                 b.outer_scale)
 
 
 def _operand(q: Union[Quantized, Inner, None]):

@@ -485,6 +485,7 @@ SMALL_K = 2048
 SMALL_K_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=4,
                            num_stages=3, P=2)
 DEQUANT_CONFIG = dict(BR=32, BK=256, num_warps=4)
+_INTERP_DEQUANT_CONFIG = dict(BR=16, BK=64, num_warps=4)
 EPILOGUE_CONFIG = dict(BM=64, BN=128, num_warps=8)
 
 # The compiled kernel of each method's last launch (for inspection: asm["ptx"], asm["cubin"]).
@@ -608,13 +609,18 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     return _finish(out, out_dtype)
 
 
+def _dequant_config(cfg: Optional[dict]) -> dict:
+    """The dequantize tile config: ``cfg`` or DEQUANT_CONFIG; the interpreter's own."""
+    return _INTERP_DEQUANT_CONFIG if interpreting() else (cfg or DEQUANT_CONFIG)
+
+
 def dequant_job(op: Operand, out: torch.Tensor, cfg: Optional[dict] = None):
     """The arguments of :func:`load_codes_tile` and :func:`store_inner_tile` for writing a
     validated operand's inner values into ``out`` ((rows, K), contiguous along K): (pointer and
     size arguments, constexprs, number of tiles). The dequantize kernel runs one tile a program;
     the quantize pair kernel runs a share of them after its own work
     (``kernels.quantize.quantize_1d(dequantize=...)``)."""
-    cfg = dict(BR=16, BK=64) if interpreting() else dict(cfg or DEQUANT_CONFIG)
+    cfg = _dequant_config(cfg)
     h, kb = cfg["BK"] // 2, op.k // 2
     args = (op.qdata, op.scale, out, op.rows, kb, op.qdata.stride(0), op.scale.stride(0),
             out.stride(0))
@@ -629,8 +635,8 @@ def _dequantize(op: Operand, out_dtype, cfg: Optional[dict] = None) -> torch.Ten
     if out.numel() == 0:
         return out
     args, consts, tiles = dequant_job(op, out, cfg)
-    num_warps = 4 if interpreting() else (cfg or DEQUANT_CONFIG)["num_warps"]
-    LAST_KERNEL["dequant"] = _dequant_kernel[(tiles,)](*args, **consts, num_warps=num_warps)
+    LAST_KERNEL["dequant"] = _dequant_kernel[(tiles,)](*args, **consts,
+                                                       num_warps=_dequant_config(cfg)["num_warps"])
     return out
 
 
