@@ -364,6 +364,27 @@ def test_amax_kernel(rht, dtype):
     assert torch.equal(r, R.amax(x, "per_tensor")) and torch.equal(c, R.amax(xt, "per_tensor"))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_rht_amax_nonfinite():
+    """The RHT amax folds its last butterfly stage into |a| + |b|, which gives Inf where the
+    transform has Inf - Inf = NaN: such programs recompute exactly, so the amaxes match the
+    reference's (NaN where two Infs meet in the last stage, Inf for one Inf) in every column."""
+    signs = signs_for()
+    for rows in ((1, 9), (1,), (2, 3)):  # (1, 9): the last stage pairs elements j and j + 8
+        x = rand((80, 96), torch.float32, seed=12)
+        for r in rows:
+            x[16 + r, 40] = float("inf")
+        xt = R.rht(x.t(), signs)
+        ref_c = R.amax(xt, "per_token")
+        assert ref_c.isfinite().sum() == 95  # one non-finite column
+        _, c = A.amax(x, A.NONE, A.PER_INDEX, True, signs)
+        assert torch.equal(c.isnan(), ref_c.isnan()) and torch.equal(c.isinf(), ref_c.isinf())
+        assert torch.equal(c[ref_c.isfinite()], ref_c[ref_c.isfinite()])
+        _, c = A.amax(x, A.TENSOR, A.TENSOR, True, signs)
+        ref = R.amax(xt, "per_tensor")
+        assert c.isnan() == ref.isnan() and c.isinf() == ref.isinf()
+
+
 def test_rejects_bad_input():
     be = triton_backend("cpu")
     with pytest.raises(TypeError, match="int32"):

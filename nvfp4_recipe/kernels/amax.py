@@ -7,8 +7,11 @@ x or of the 16-point RHT of x along M (the columnwise copy), the last without wr
 transformed tensor. The grid is persistent (a few programs per SM, each looping over tiles): a
 program folds its tiles' per-tensor maxima in registers and issues one atomic max per result at the
 end (per-index maxima: one per element and tile), which measured 13-29% faster than one program a
-tile with its own atomics (H200, 2026-11-21, docs/benchmarks.md). The maxima are taken
-on the int32 bit patterns of |x|, so NaN wins over everything and propagates (spec item 9).
+tile with its own atomics (H200, 2026-11-21, docs/benchmarks.md). The RHT maxima fold the last
+butterfly stage into the maximum (``common.hadamard16_abs_max``: 0-7% faster at the gpu-preset
+shapes); a program whose result is Inf or NaN takes its tiles again with the full transform, which
+alone gives NaN where two Infs meet. The maxima are taken on the int32 bit patterns of |x|, so NaN
+wins over everything and propagates (spec item 9).
 """
 
 from typing import Optional, Tuple
@@ -17,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16, load_col_blocks,
-                     prune_wide_tiles)
+from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16,
+                     hadamard16_abs_max, load_col_blocks, prune_wide_tiles)
 from .gemm import interpreting, num_sms
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
@@ -41,21 +44,19 @@ def _block_max_bits(t):
     return abs_bits(bits_to_float(abs_max16_bits(t), t.dtype))
 
 
-@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
-def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
-                 ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
-                 BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
-    """A persistent grid: each program takes every num_programs-th tile of 16 BB rows x 16 BC
-    columns (column tiles of a row band in turn), read as column blocks (the columnwise copy's
-    blocks: 16 rows of one column in a thread's registers), which serve every output: the RHT runs
-    along their register axis, and the row maxima reduce across columns. Per-index maxima go out
-    with one atomic per element and tile, per-tensor maxima once per program at the end."""
+def _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr, ROW: tl.constexpr,
+                COL: tl.constexpr, COL_RHT: tl.constexpr, EXACT: tl.constexpr, BB: tl.constexpr,
+                BC: tl.constexpr):
+    """This program's tiles (every num_programs-th of 16 BB rows x 16 BC columns, column tiles of
+    a row band in turn), read as column blocks (the columnwise copy's blocks: 16 rows of one
+    column in a thread's registers), which serve every output: the RHT runs along their register
+    axis, and the row maxima reduce across columns. Per-index maxima go out with one atomic per
+    element and tile; returns the per-tensor maxima folded in registers (row, column), (16 BC, BB)
+    int32 bits. Without EXACT the RHT maxima come from :func:`hadamard16_abs_max`."""
     n_k = tl.cdiv(K, 16 * BC)
     row_acc = tl.zeros((16 * BC, BB), dtype=tl.int32)
     col_acc = tl.zeros((16 * BC, BB), dtype=tl.int32)
-    signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT else None
     for tile in range(tl.program_id(0), tl.cdiv(M, 16 * BB) * n_k, tl.num_programs(0)):
         k = (tile % n_k) * (16 * BC) + tl.arange(0, 16 * BC)
         b = (tile // n_k) * BB + tl.arange(0, BB)
@@ -63,8 +64,12 @@ def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
         if COL_RHT:  # one fp32 copy serves both maxima
             y = t.to(tl.float32)
             tile_max = abs_bits(abs_max16(y))
+            if EXACT:
+                h = abs_max16(hadamard16(y, signs))
+            else:
+                h = hadamard16_abs_max(y, signs)
             # x -> RN(x / 4) is monotone, so the largest scaled value is the scaled largest one
-            col_max = abs_bits(abs_max16(hadamard16(y, signs)) * 0.25)
+            col_max = abs_bits(h * 0.25)
         else:
             tile_max = _block_max_bits(t)
             col_max = tile_max
@@ -73,14 +78,39 @@ def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
         if ROW == 2:
             m = b[:, None] * 16 + tl.arange(0, 16)[None, :]
             tl.atomic_max(row_ptr + m, tl.max(abs_bits(t.to(tl.float32)), axis=0), mask=m < M)
-        if COL == 1:
-            col_acc = tl.maximum(col_acc, col_max)
         if COL == 2:
             tl.atomic_max(col_ptr + k, tl.max(col_max, axis=1), mask=k < K)
+        col_acc = tl.maximum(col_acc, col_max)
+    return row_acc, col_acc
+
+
+@triton.jit
+def _fold(acc):
+    return tl.max(tl.max(acc, axis=1), axis=0)
+
+
+@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"],
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
+@triton.jit
+def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
+                 ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
+                 BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
+    """A persistent grid over :func:`_amax_tiles`; per-tensor maxima go out once per program at
+    the end. A program whose RHT maxima reached Inf or NaN (where the folded last butterfly stage
+    can miss an Inf - Inf) takes its tiles again with the full transform."""
+    signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT else None
+    row_acc, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
+                                   ROW, COL, COL_RHT, False, BB, BC)
+    col = _fold(col_acc)
+    if COL_RHT:
+        if col >= 0x7F800000:  # the bits of +Inf; NaNs above
+            _, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
+                                     0, COL, COL_RHT, True, BB, BC)
+            col = _fold(col_acc)
     if ROW == 1:
-        tl.atomic_max(row_ptr, tl.max(tl.max(row_acc, axis=1), axis=0))
+        tl.atomic_max(row_ptr, _fold(row_acc))
     if COL == 1:
-        tl.atomic_max(col_ptr, tl.max(tl.max(col_acc, axis=1), axis=0))
+        tl.atomic_max(col_ptr, col)
 
 
 def check_matrix(x: torch.Tensor, rows16: bool, cols16: bool) -> None:
