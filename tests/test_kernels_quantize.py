@@ -364,8 +364,7 @@ def test_amax_kernel(rht, dtype):
     assert torch.equal(r, R.amax(x, "per_tensor")) and torch.equal(c, R.amax(xt, "per_tensor"))
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_rht_amax_nonfinite():
+def check_rht_amax_nonfinite(device):
     """The RHT amax folds its last butterfly stage into |a| + |b|, which gives Inf where the
     transform has Inf - Inf = NaN: such programs recompute exactly, so the amaxes match the
     reference's (NaN where two Infs meet in the last stage, Inf for one Inf) in every column."""
@@ -377,12 +376,19 @@ def test_rht_amax_nonfinite():
         xt = R.rht(x.t(), signs)
         ref_c = R.amax(xt, "per_token")
         assert ref_c.isfinite().sum() == 95  # one non-finite column
-        _, c = A.amax(x, A.NONE, A.PER_INDEX, True, signs)
+        x, signs_d = x.to(device), signs.to(device)
+        _, c = A.amax(x, A.NONE, A.PER_INDEX, True, signs_d)
+        c = c.cpu()
         assert torch.equal(c.isnan(), ref_c.isnan()) and torch.equal(c.isinf(), ref_c.isinf())
         assert torch.equal(c[ref_c.isfinite()], ref_c[ref_c.isfinite()])
-        _, c = A.amax(x, A.TENSOR, A.TENSOR, True, signs)
+        _, c = A.amax(x, A.TENSOR, A.TENSOR, True, signs_d)
         ref = R.amax(xt, "per_tensor")
-        assert c.isnan() == ref.isnan() and c.isinf() == ref.isinf()
+        assert c.isnan().item() == ref.isnan() and c.isinf().item() == ref.isinf()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_rht_amax_nonfinite():
+    check_rht_amax_nonfinite("cpu")
 
 
 def test_rejects_bad_input():
@@ -406,6 +412,11 @@ def test_cuda_rounding_helpers(device):
 @pytest.mark.cuda
 def test_cuda_philox(device):
     check_philox(device)
+
+
+@pytest.mark.cuda
+def test_cuda_rht_amax_nonfinite(device):
+    check_rht_amax_nonfinite(device)
 
 
 @pytest.mark.cuda
