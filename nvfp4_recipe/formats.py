@@ -10,8 +10,8 @@ import torch
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-E4M3_MIN_NORMAL = 2.0**-6  # smallest block scale we emit; every stored scale is a normal E4M3
-OUTER_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688: s_outer = amax / 2688
+FP4_RANGE = E4M3_MAX * E2M1_MAX  # 2688: the encode scale maps the amax to it (S_enc = 2688 / amax)
+FLT_MAX = torch.finfo(torch.float32).max
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Rounding thresholds between neighbouring magnitudes; a value exactly on a threshold rounds to the
@@ -37,8 +37,9 @@ def e2m1_encode_rn(v: torch.Tensor) -> torch.Tensor:
     Args:
         v: float32 tensor, any shape, already scaled and clamped to [-6, 6].
     Returns:
-        uint8 tensor of the same shape holding codes 0-15. The sign bit follows ``signbit(v)``, so
-        -0.0 and small negatives that round to zero give code 8 (negative zero), as torchao does.
+        uint8 tensor of the same shape holding codes 0-15. The sign bit is set for ``v < 0``, so
+        small negatives that round to zero give code 8 (negative zero) while -0.0 and NaN give
+        code 0, as TransformerEngine's reference quantizer (``cast_to_fp4x2``) does.
     Raises:
         TypeError: if ``v`` is not float32.
     """
@@ -47,7 +48,7 @@ def e2m1_encode_rn(v: torch.Tensor) -> torch.Tensor:
     code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for t, inclusive in _RN_THRESHOLDS:
         code += (a >= t) if inclusive else (a > t)
-    return code | (torch.signbit(v).to(torch.uint8) << 3)
+    return code | ((v < 0).to(torch.uint8) << 3)
 
 
 def e2m1_floor_code(a: torch.Tensor) -> torch.Tensor:

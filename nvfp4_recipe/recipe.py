@@ -17,7 +17,7 @@ BACKENDS = ("auto", "reference", "triton", "native")
 # The five quantized operands of one training linear, by GEMM (design.md, "The recipe").
 ROLES = ("x_fprop", "w_fprop", "dy_dgrad", "dy_wgrad", "x_wgrad")
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
-# fewer than 2**34 elements (8 elements per counter).
+# fewer than 2**35 elements (16 elements per counter).
 SR_OFFSETS = {"dy_dgrad": 0, "dy_wgrad": 2**31}
 
 
@@ -54,7 +54,8 @@ class NVFP4Recipe(AOBaseConfig):
 
     Fields:
         rht: apply the 16-point random Hadamard transform to both wgrad operands (dY^T and X^T).
-        rht_signs: the 16 +-1 signs of the RHT; None draws them from ``seed`` at swap time.
+        rht_signs: the 16 +-1 signs of the RHT; None uses TransformerEngine's and torchao's vector
+            (``reference.DEFAULT_RHT_SIGNS``), shared by every layer.
         stochastic_rounding: round the gradient operands (dY for dgrad and wgrad) stochastically.
         amax_estimation: None (measure amax after the RHT) or (act_scale, grad_scale): estimate the
             post-RHT amax of X^T / dY^T as scale * amax before the RHT, skipping a pass.
@@ -65,7 +66,7 @@ class NVFP4Recipe(AOBaseConfig):
         keep_first_last: keep the first and the last this many nn.Linear layers in high precision.
         backend: "auto" (native on sm100+, triton on other CUDA GPUs, reference on CPU),
             "reference", "triton" or "native".
-        seed: base seed of the SR streams and of random RHT signs.
+        seed: base seed of the per-layer SR streams.
 
     Raises:
         ValueError: at construction, naming the field, for any invalid value or combination.
@@ -125,8 +126,6 @@ class NVFP4Recipe(AOBaseConfig):
         return OperandSpec("1d", self.scaling, rounding, wgrad and self.rht, amax_scale)
 
     def signs(self) -> torch.Tensor:
-        """The RHT signs as a (16,) float32 tensor (drawn from ``seed`` when ``rht_signs`` is None)."""
-        if self.rht_signs is not None:
-            return torch.tensor(self.rht_signs, dtype=torch.float32)
-        from .reference import random_signs
-        return random_signs(torch.Generator().manual_seed(self.seed))
+        """The RHT signs as a (16,) float32 tensor (TE's default vector when ``rht_signs`` is None)."""
+        from .reference import DEFAULT_RHT_SIGNS
+        return torch.tensor(self.rht_signs or DEFAULT_RHT_SIGNS, dtype=torch.float32)

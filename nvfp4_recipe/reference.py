@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from .formats import (BLOCK, E2M1_GRID, E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, OUTER_DIVISOR,
-                      e2m1_decode, e2m1_encode_rn, e2m1_floor_code, pack_nibbles, unpack_nibbles)
+from .formats import (BLOCK, E2M1_MAX, E4M3_MAX, FLT_MAX, FP4_RANGE, e2m1_decode, e2m1_encode_rn,
+                      e2m1_floor_code, pack_nibbles, unpack_nibbles)
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -63,24 +63,27 @@ def philox4x32(seed: IntOrTensor, counter: torch.Tensor, rounds: int = 10):
 
 
 def sr_bits(seed: IntOrTensor, offset: IntOrTensor, shape, device=None) -> torch.Tensor:
-    """16 uniform random bits per element for stochastic rounding (spec item 6).
+    """8 uniform random bits per element for stochastic rounding (spec item 6).
 
-    Element i (row-major linear index in ``shape``) takes 16-bit half ``i % 2`` (0 = low) of word
-    ``(i % 8) // 2`` of ``tl.randint4x(seed, offset + i // 8)``: one Philox call serves 8 elements.
+    Element i (row-major linear index in ``shape``) takes byte ``i % 4`` (0 = lowest) of word
+    ``(i % 16) // 4`` of ``tl.randint4x(seed, offset + i // 16)``: one Philox call serves 16
+    elements and one 32-bit word 4 consecutive ones, element j of the 4 taking bits [8j, 8j + 8),
+    the layout Blackwell's ``cvt.rs.satfinite.e2m1x4.f32`` takes its random word in.
 
     Returns:
-        int64 tensor of ``shape`` with values in [0, 65536).
+        int64 tensor of ``shape`` with values in [0, 256).
+    Raises:
+        ValueError: the number of elements is not a multiple of 16.
     """
     n = 1
     for s in shape:
         n *= s
-    if n % 8:
-        raise ValueError(f"stochastic rounding needs a multiple of 8 elements, got {n}")
+    if n % BLOCK:
+        raise ValueError(f"stochastic rounding needs a multiple of {BLOCK} elements, got {n}")
     offset = torch.as_tensor(offset, dtype=torch.int64, device=device)
-    counter = offset + torch.arange(n // 8, dtype=torch.int64, device=device)
-    words = torch.stack(philox4x32(seed, counter), dim=-1)  # (n/8, 4)
-    halves = torch.stack([words & 0xFFFF, words >> 16], dim=-1)  # (n/8, 4, 2)
-    return halves.reshape(shape)
+    counter = offset + torch.arange(n // BLOCK, dtype=torch.int64, device=device)
+    words = torch.stack(philox4x32(seed, counter), dim=-1)  # (n/16, 4)
+    return torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1).reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +97,11 @@ def hadamard16(device=None) -> torch.Tensor:
     return h
 
 
+# The RHT signs TransformerEngine and torchao use (TE's ``get_wgrad_sign_vector``): one vector shared
+# by every layer, as in NVIDIA's recipe (arXiv 2509.25149).
+DEFAULT_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
 def random_signs(generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """A random +-1 float32 vector of 16 for the RHT (CPU; move it where it is used)."""
     bits = torch.randint(0, 2, (BLOCK,), generator=generator)
@@ -101,20 +109,23 @@ def random_signs(generator: Optional[torch.Generator] = None) -> torch.Tensor:
 
 
 def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """Random Hadamard transform on blocks of 16 along the last dimension.
+    """Random Hadamard transform on blocks of 16 along the last dimension (spec item 7).
 
     ``y_block = x_block @ diag(signs) @ H16 / 4`` (orthogonal): the signs flip the inputs, then a
     fixed 4-stage fp32 butterfly (pair distance 1, 2, 4, 8; ``(a, b) -> (a + b, a - b)``) applies
-    H16, then the exact scaling by 1/4, so that every backend gets the same bits. The signs go
-    before H16 on purpose: signs applied after it would only flip output signs, which NVFP4
-    quantization (sign-symmetric) and the wgrad product (both operands flipped alike) cancel.
-    Source: Tseng et al., QuIP# (2024); NVIDIA's NVFP4 recipe (arXiv 2509.25149, section 4.2).
+    H16, then the exact scaling by 1/4, so that every backend gets the same bits; the result is
+    rounded to the input dtype (bf16 for bf16 inputs), as TransformerEngine and torchao do before
+    the amax and the quantization of the transformed operand. The signs go before H16 on
+    purpose: signs applied after it would only flip output signs, which NVFP4 quantization
+    (sign-symmetric) and the wgrad product (both operands flipped alike) cancel.
+    Source: Tseng et al., QuIP# (2024); NVIDIA's NVFP4 recipe (arXiv 2509.25149, section 4.2);
+    TE's ``NVFP4QuantizerRef._apply_rht``.
 
     Args:
-        x: (..., K) float tensor, K a multiple of 16.
+        x: (..., K) bfloat16/float16/float32 tensor, K a multiple of 16.
         signs: (16,) tensor of +-1.
     Returns:
-        float32 tensor of the shape of ``x``.
+        tensor of the shape and dtype of ``x``.
     """
     _check_last_dim(x)
     y = (x.float().reshape(-1, BLOCK) * signs.to(device=x.device, dtype=torch.float32))
@@ -124,7 +135,7 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         a, b = pairs[:, :, 0], pairs[:, :, 1]
         y = torch.stack([a + b, a - b], dim=2).reshape(-1, BLOCK)
         h *= 2
-    return (y * 0.25).reshape(x.shape)
+    return (y * 0.25).reshape(x.shape).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,7 +146,8 @@ class NVFP4Data(NamedTuple):
 
     qdata: uint8 (..., M, K // 2), two E2M1 codes per byte, even element in the low nibble.
     scale: float8_e4m3fn block scales, (..., M, K // 16) for 1d or (M // 16, K // 16) for 2d.
-    outer_scale: float32 outer scale, () per-tensor or (..., M) per-token; amax / 2688.
+    outer_scale: float32 outer decode scale S_dec = 1 / min(2688 / amax, FLT_MAX), () per-tensor
+        or (..., M) per-token.
     """
 
     qdata: torch.Tensor
@@ -180,12 +192,22 @@ def amax(x: torch.Tensor, scaling: str) -> torch.Tensor:
     return a.amax() if scaling == "per_tensor" else a.amax(dim=-1)
 
 
-def outer_scale_from_amax(amax_: torch.Tensor) -> torch.Tensor:
-    """s_outer = amax / (448 * 6) in float32 (spec item 1)."""
+def encode_scale(amax_: torch.Tensor) -> torch.Tensor:
+    """The outer encode scale ``S_enc = min(2688 / amax, FLT_MAX)`` in fp32 (spec item 1).
+
+    amax 0 gives FLT_MAX (an all-zero tensor or row then quantizes to zeros with finite scales);
+    amax Inf gives 0 and NaN gives NaN, so the decode scale 1 / S_enc is non-finite (item 9; TE
+    instead maps S_enc = 0 to 1). Source: TE's ``NVFP4QuantizerRef._quantize_blockwise_reference``.
+    """
     amax_ = amax_.float()
-    # A tensor divisor: PyTorch's CUDA kernels divide by a Python scalar as a multiplication by its
+    # Tensor operands: PyTorch's CUDA kernels divide by a Python scalar as a multiplication by its
     # reciprocal (not IEEE division, so CPU and GPU results would differ); a tensor gets true division.
-    return amax_ / torch.full_like(amax_, OUTER_DIVISOR)
+    return torch.clamp(torch.full_like(amax_, FP4_RANGE) / amax_, max=FLT_MAX)
+
+
+def decode_scale(s_enc: torch.Tensor) -> torch.Tensor:
+    """The outer decode scale ``S_dec = 1 / S_enc`` (fp32, true division): ``outer_scale``."""
+    return torch.ones_like(s_enc) / s_enc
 
 
 def _block_view(x: torch.Tensor, block: str) -> torch.Tensor:
@@ -204,35 +226,60 @@ def _unblock(v: torch.Tensor, shape, block: str) -> torch.Tensor:
     return v.reshape(m // BLOCK, k // BLOCK, BLOCK, BLOCK).transpose(1, 2).reshape(m, k)
 
 
-def block_scales(blocks: torch.Tensor, s_div: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scale of spec item 2: e4m3(clamp((block_amax / 6) / s_outer, 2**-6, 448))."""
+_ONE_SIXTH = 1.0 / E2M1_MAX  # rounded to fp32 where it multiplies an fp32 tensor, as TE's reciprocal(6)
+
+
+def block_scales(blocks: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """E4M3 block decode scales of spec item 2 for (..., 16 or 256) blocks, fp32 ``s_enc``
+    broadcasting against the block axis: ``e4m3(clamp(min(block_amax * (S_enc * (1/6)),
+    FLT_MAX), -448, 448))``, round to nearest even, E4M3 subnormals (down to 2**-9) and zero kept.
+    """
     block_amax = blocks.abs().amax(dim=-1)
-    scaled = (block_amax / torch.full_like(block_amax, E2M1_MAX)) / s_div  # true division, see above
-    return torch.clamp(scaled, min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    s = torch.clamp(block_amax * (s_enc * _ONE_SIXTH), max=FLT_MAX)
+    return torch.clamp(s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def value_scales(scale: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """Value encode scales of spec item 3: ``min(1 / (float(scale) * S_dec), FLT_MAX)``, fp32;
+    a zero block scale gives FLT_MAX (its values then clamp to +-6 and dequantize to 0)."""
+    return torch.clamp(1.0 / (scale.float() * s_dec), max=FLT_MAX)
 
 
 def round_sr(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of float32 ``v`` in [-6, 6] to E2M1 codes (spec item 6).
+    """Stochastic rounding of float32 ``v`` to E2M1 codes with 8 random bits per element (item 6).
 
-    With lo <= |v| < hi the neighbouring E2M1 magnitudes, rounds up iff ``bits * 2**-16 <
-    (|v| - lo) / (hi - lo)``; both sides are exact in float32, so every backend agrees bit for bit.
-    The expectation is |v| up to a bias below (hi - lo) * 2**-16.
+    TransformerEngine's rule for GPUs without ``cvt.rs`` (``stochastic_round_fp4_e2m1``): with
+    ``u = bits / 256`` and ``step(a)`` the E2M1 grid spacing at ``a`` (0.5 below 2, 1 below 4,
+    else 2), ``t = |v| + u * step(|v|)`` in fp32 (one rounding: the product is exact), then the
+    largest grid value <= t, saturated at 6, with the sign of v (``v < 0``). A value on the grid
+    never moves; between neighbours lo < |v| < hi it rounds up with probability
+    ``floor(256 f) / 256`` (f = (|v| - lo) / step, up to the fp32 rounding of t), so the
+    expectation is biased toward zero by less than ``step / 256``.
+
+    Args:
+        v: float32 values (any shape); NaN gives code 0.
+        bits: integer tensor of v's shape with values in [0, 256) (:func:`sr_bits`).
+    Returns:
+        uint8 codes 0-15 of v's shape.
     """
-    a = v.abs()
-    lo_code = e2m1_floor_code(a)
-    grid = torch.tensor(E2M1_GRID + (E2M1_MAX,), dtype=torch.float32, device=v.device)
-    lo = grid[lo_code.long()]
-    step = grid[lo_code.long() + 1] - lo
-    p = (a - lo) / torch.where(step == 0, 1.0, step)
-    up = (bits.to(torch.float32) * 2.0**-16) < p
-    return (lo_code + up.to(torch.uint8)) | (torch.signbit(v).to(torch.uint8) << 3)
+    a = torch.clamp(v.abs(), max=E2M1_MAX)  # |v| >= 6 rounds to 6 either way
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    t = a + bits.to(torch.float32) * (step / 256)
+    return e2m1_floor_code(t) | ((v < 0).to(torch.uint8) << 3)
 
 
 def quantize(x: torch.Tensor, *, block: str = "1d", scaling: str = "per_tensor",
              rounding: str = "rn", seed: IntOrTensor = 0, offset: IntOrTensor = 0,
              rht_signs: Optional[torch.Tensor] = None,
              amax_: Optional[torch.Tensor] = None) -> NVFP4Data:
-    """Quantize a high-precision tensor to NVFP4 (spec items 1-10).
+    """Quantize a high-precision tensor to NVFP4 with TransformerEngine's chain (spec items 1-10).
+
+    In fp32 and in this order: ``S_enc = min(2688 / amax, FLT_MAX)``, ``S_dec = 1 / S_enc``;
+    block scale ``sf = e4m3(clamp(min(block_amax * (S_enc * (1/6)), FLT_MAX), -448, 448))``;
+    values ``clamp(x * min(1 / (float(sf) * S_dec), FLT_MAX), -6, 6)`` rounded to E2M1, nearest
+    even (RN) or stochastically (SR, :func:`round_sr`). Source: TE 2.20
+    ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py`` (``NVFP4QuantizerRef``),
+    which Blackwell NVFP4 training (TE, torchao main) reproduces bit for bit.
 
     Args:
         x: (..., M, K) bfloat16/float16/float32 tensor, K (and M for 2d) a multiple of 16.
@@ -240,34 +287,31 @@ def quantize(x: torch.Tensor, *, block: str = "1d", scaling: str = "per_tensor",
         scaling: "per_tensor" (one outer scale) or "per_token" (one per row, shape (..., M)).
         rounding: "rn" (round to nearest even) or "sr" (stochastic, Philox bits from seed/offset).
         seed, offset: the SR stream, see :func:`sr_bits`; ignored for "rn".
-        rht_signs: if given, quantize ``rht(x, rht_signs)`` instead of ``x`` (spec item 7).
+        rht_signs: if given, quantize ``rht(x, rht_signs)`` (rounded to x's dtype) instead of
+            ``x`` (spec item 7).
         amax_: overrides the measured amax (spec item 8, amax estimation); scalar or (..., M).
     Returns:
-        :class:`NVFP4Data`. For per-tensor 1d RN without RHT this is bit-identical to torchao 0.18's
-        ``nvfp4_quantize(x, 16, amax / 2688)`` (spec item 5).
+        :class:`NVFP4Data` whose ``outer_scale`` is the decode scale S_dec.
     Raises:
         TypeError, ValueError: see :func:`check_input`.
     """
     check_input(x, block, scaling, rounding)
-    xf = x.float() if rht_signs is None else rht(x, rht_signs)
+    xf = x.float() if rht_signs is None else rht(x, rht_signs).float()
     if amax_ is None:
         amax_ = amax(xf, scaling)
-    s_outer = outer_scale_from_amax(amax_)
-    # An all-zero tensor (or row) has s_outer = 0; divide by 1 instead so that its blocks get the
-    # smallest scale and zero codes rather than 0/0 = NaN (spec item 10). Inf/NaN still propagate.
-    s_div = torch.where(s_outer == 0, torch.ones_like(s_outer), s_outer)
-    if scaling == "per_token":
-        s_div = s_div[..., None]
+    s_enc = encode_scale(amax_)
+    s_dec = decode_scale(s_enc)
+    enc_b, dec_b = (s_enc[..., None], s_dec[..., None]) if scaling == "per_token" else (s_enc, s_dec)
     blocks = _block_view(xf, block)
-    scale = block_scales(blocks, s_div)
-    recip = (1.0 / s_div) / scale.float()
-    v = torch.clamp(blocks * recip[..., None], -E2M1_MAX, E2M1_MAX)
+    scale = block_scales(blocks, enc_b)
+    enc = value_scales(scale, dec_b)
+    v = torch.clamp(blocks * enc[..., None], -E2M1_MAX, E2M1_MAX)
     v = _unblock(v, xf.shape, block)
     if rounding == "rn":
         codes = e2m1_encode_rn(v)
     else:
         codes = round_sr(v, sr_bits(seed, offset, v.shape, device=v.device))
-    return NVFP4Data(pack_nibbles(codes), scale, s_outer)
+    return NVFP4Data(pack_nibbles(codes), scale, s_dec)
 
 
 def expand_scale(scale: torch.Tensor, block: str) -> torch.Tensor:

@@ -77,31 +77,36 @@ def _round_kernel(v_ptr, r_ptr, out_ptr, n, SR: tl.constexpr, BLOCK: tl.constexp
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + o, mask=o < n, other=0.0)
     r = tl.load(r_ptr + o, mask=o < n, other=0).to(tl.uint32)
-    c, s = C.nibbles(v, r, False, tl.full([], 2, tl.uint32), SR, True)
+    c, s = C.nibbles(v, r, SR)
     tl.store(out_ptr + o, (c - (C.SR_OFFSET if SR else C.RN_OFFSET) + s * 8).to(tl.int32), mask=o < n)
 
 
 def rounding_cases(device="cpu"):
     """Values for the E2M1 rounding helpers: many magnitudes, both signs and zeros, the grid, its
-    midpoints and their fp32 neighbours, values past 6, and SR fractions equal to the random
-    threshold r / 2**16 and one or two ulps either side (below 1 and above)."""
+    midpoints and their fp32 neighbours, values past 6, and SR sums t = |v| + (r / 256) * step
+    that land exactly on a grid point, one or two ulps either side, and where the fp32 rounding of
+    t itself decides (|v| with bits below t's ulp)."""
     g = torch.Generator().manual_seed(0)
     n = 4096
     mags = [torch.exp2(torch.empty(n).uniform_(-40, 3, generator=g)),
             torch.tensor(E2M1_GRID + (6.4, 6.49, 7.0, 1e30, 2.0**-140)),
             torch.tensor([(a + b) / 2 for a, b in zip(E2M1_GRID, E2M1_GRID[1:])])]
-    r = torch.randint(0, 65536, (n,), generator=g)
-    for lo, hi in zip(E2M1_GRID, E2M1_GRID[1:] + (6.0,)):
-        t = torch.tensor(lo) + (r[:256].double() / 65536) * (hi - lo)
-        mags.append(t.float())
+    r = torch.randint(0, 256, (n,), generator=g)
+    for lo, hi in zip(E2M1_GRID, E2M1_GRID[1:]):
+        mags.append((torch.tensor(hi) - (r[:256].double() / 256) * (hi - lo)).float())
+    rounded = torch.arange(128, 192)  # 0.5 - r / 512 in (0.125, 0.25]: t's ulp is twice |v|'s
+    mags.append((0.5 - rounded.double() / 512 - 2.0**-26).float())
     v = torch.cat(mags)
     v = torch.cat([v, torch.nextafter(v, torch.tensor(0.0)), torch.nextafter(v, torch.tensor(8.0)),
                    torch.nextafter(torch.nextafter(v, torch.tensor(8.0)), torch.tensor(8.0))])
     v = torch.cat([v, -v, torch.tensor([0.0, -0.0])])
-    bits = torch.randint(0, 65536, v.shape, generator=g)
+    bits = torch.randint(0, 256, v.shape, generator=g)
     k = len(mags[0]) + len(mags[1]) + len(mags[2])
-    bits[k:k + 256 * 8] = r[:256].repeat(8)  # the thresholds hit exactly
-    bits[:16] = 0  # tiny values round up when r = 0
+    hit = torch.cat([r[:256].repeat(7), rounded])  # the sums that land on a grid point
+    for rep in range(8):  # the values, their neighbours, and all of them negated
+        first = k + rep * (len(v) - 2) // 8
+        bits[first:first + len(hit)] = hit
+    bits[:16] = 0  # tiny values stay when r = 0
     return v.to(device), bits.to(torch.int32).to(device)
 
 
@@ -110,8 +115,8 @@ def check_rounding(device):
     for sr in (False, True):
         out = torch.empty(v.shape, dtype=torch.int32, device=device)
         _round_kernel[(triton.cdiv(v.numel(), 1024),)](v, bits, out, v.numel(), SR=sr, BLOCK=1024)
-        vc = v.clamp(-6, 6)
-        ref = R.round_sr(vc, bits.long()) if sr else e2m1_encode_rn(vc)
+        ref = R.round_sr(v.cpu(), bits.cpu().long()) if sr else e2m1_encode_rn(v.cpu().clamp(-6, 6))
+        out = out.cpu()
         bad = (out != ref.int()).nonzero()[:5, 0]
         assert bad.numel() == 0, (sr, v[bad], bits[bad], out[bad], ref[bad])
 

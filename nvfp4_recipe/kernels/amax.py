@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16,
-                     hadamard16_abs_max, load_col_blocks, prune_wide_tiles)
+                     hadamard16_abs_max, load_col_blocks, prune_wide_tiles, round_to)
 from .gemm import interpreting, num_sms
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
@@ -68,8 +68,9 @@ def _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr, ROW: t
                 h = abs_max16(hadamard16(y, signs))
             else:
                 h = hadamard16_abs_max(y, signs)
-            # x -> RN(x / 4) is monotone, so the largest scaled value is the scaled largest one
-            col_max = abs_bits(h * 0.25)
+            # x / 4 rounded to the input dtype (the RHT operand's values, item 7) is monotone in
+            # x and odd, so the largest rounded magnitude is the rounded largest one
+            col_max = abs_bits(round_to(h * 0.25, t.dtype))
         else:
             tile_max = _block_max_bits(t)
             col_max = tile_max
@@ -135,7 +136,8 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
             ``col_rht`` (the transform runs on blocks of 16 rows).
         row: NONE, TENSOR (max |x|, shape ()) or PER_INDEX (max over each row, shape (M,)).
         col: NONE, TENSOR or PER_INDEX (max over each column, shape (K,)), of x or, with
-            ``col_rht``, of the 16-point RHT of x along M (``reference.rht(x.t(), signs)``).
+            ``col_rht``, of the 16-point RHT of x along M rounded to x's dtype
+            (``reference.rht(x.t(), signs)``).
         signs: (16,) fp32 +-1 RHT signs on x's device (needed with ``col_rht``).
     Returns:
         (row amax or None, column amax or None).

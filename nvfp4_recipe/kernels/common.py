@@ -1,12 +1,12 @@
 """Shared ``@triton.jit`` helpers of the NVFP4 quantization and amax kernels.
 
-Everything here is bit-exact with ``nvfp4_recipe.reference`` on the GPU and under
-``TRITON_INTERPRET=1``: roundings are done with integer bit operations or with fp32 additions whose
-single rounding is the one wanted (the interpreter truncates fp32 -> fp8 casts; on the GPU the SR
-rounding takes one add rounded toward +Inf in inline PTX, which the interpreter lacks, so it runs
-the portable form there), divisions with ``div_rn`` (Triton's fp32 ``/`` is approximate on the
-GPU), and the stochastic-rounding bits come from Philox-4x32-10 with a uint32 counter, the stream
-of ``tl.randint4x`` (:func:`philox4x32`).
+Everything here is bit-exact with ``nvfp4_recipe.reference`` (TransformerEngine's NVFP4 chain) on the
+GPU and under ``TRITON_INTERPRET=1``: E4M3, E2M1 and bf16 roundings are done with integer bit
+operations or with fp32 additions whose single rounding is the one wanted (the interpreter truncates
+fp32 -> bf16/fp8 casts), divisions with ``div_rn`` (Triton's fp32 ``/`` is approximate on the GPU)
+and, where a result can be an fp32 subnormal, in fp64 or on scaled operands, and the
+stochastic-rounding bits come from Philox-4x32-10 with a uint32 counter, the stream of
+``tl.randint4x`` (:func:`philox4x32`).
 
 Tile forms. The quantize and amax kernels use block tiles (``load_row_blocks``,
 ``load_col_blocks``): a (rows, blocks, 16) or (columns, blocks, 16) tensor per program with each
@@ -16,8 +16,8 @@ block's 16 elements in one thread's registers; the block helpers below (``quanti
 Triton picks the thread layout of the other two axes and converts layouts before the stores.
 
 The elementwise code is arranged for Hopper's pipes: integer/logic/compare/min-max instructions
-issue at half the rate of fp32 add/multiply/FMA and integer multiply-add, so the E2M1 rounding and
-the packing lean on the latter where that stays exact.
+issue at half the rate of fp32 add/multiply/FMA and integer multiply-add, so the packing leans on
+the latter where that stays exact.
 """
 
 import os
@@ -25,7 +25,6 @@ import os
 import triton
 import triton.language as tl
 
-from .gemm import interpreting
 
 
 def prune_wide_tiles(tile_cols):
@@ -40,10 +39,8 @@ def prune_wide_tiles(tile_cols):
     return prune
 
 
-_ONE_BITS = tl.constexpr(0x3F800000)  # fp32 1.0
-_MAGIC_BITS = tl.constexpr(0x4B000000)  # fp32 2**23: its ulp is 1, so adding it rounds to an integer
-HUGE_INV = tl.constexpr(2.0**122)  # 1 / s_outer above this can make (1 / s_outer) / scale overflow
-_PTX = tl.constexpr(not interpreting())  # inline PTX on the GPU; the interpreter runs none
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1 / 6), TE's reciprocal(6.0)
 
 
 @triton.jit
@@ -69,113 +66,106 @@ def abs_bits(x):
 
 
 @triton.jit
-def outer_scale(amax, mult, MULT: tl.constexpr):
-    """Spec item 1: s_outer = amax / 2688 (amax times ``mult`` first when MULT, item 8).
-
-    Returns (s_outer, s_div, 1 / s_div) with s_div = 1 where s_outer == 0 (item 10).
-    """
+def outer_scales(amax, mult, MULT: tl.constexpr):
+    """Spec item 1 for fp32 ``amax`` (times ``mult`` first when MULT, item 8): (S_enc * (1/6),
+    S_dec) with ``S_enc = min(2688 / amax, FLT_MAX)`` and ``S_dec = 1 / S_enc``. S_dec is divided
+    in fp64, which rounds it correctly also where it is an fp32 subnormal (amax below about
+    3e-35); amax 0 gives S_enc = FLT_MAX, Inf gives 0 and NaN gives NaN (non-finite S_dec)."""
     if MULT:
         amax = amax * mult
-    s_outer = div_rn(amax, tl.zeros_like(amax) + 2688.0)
-    s_div = tl.where(s_outer == 0.0, 1.0, s_outer)
-    return s_outer, s_div, div_rn(tl.zeros_like(s_div) + 1.0, s_div)
+    s_enc = div_rn(tl.zeros_like(amax) + 2688.0, amax)
+    s_enc = tl.where(s_enc > FLT_MAX, FLT_MAX, s_enc)  # NaN passes, as torch.clamp
+    s_dec = (1.0 / s_enc.to(tl.float64)).to(tl.float32)  # fp64 "/" is IEEE division
+    return s_enc * ONE_SIXTH, s_dec
 
 
 @triton.jit
 def e4m3_rne(s):
-    """Round fp32 ``s`` (in [2**-6, 448], or NaN) to E4M3, nearest-even, by bit operations.
+    """Round fp32 ``s`` (in [0, 448], or NaN) to E4M3, nearest-even, by bit operations.
 
-    Returns (code, value): the float8_e4m3fn bit pattern as int32 and its exact fp32 value.
+    Returns (code, value): the float8_e4m3fn bit pattern as int32 and its exact fp32 value. Below
+    2**-6 the code is the subnormal k * 2**-9 with k = RNE(s * 2**9) (0 for s <= 2**-10).
     NaN gives code 0x7F | sign and the value torch's E4M3 -> fp32 cast gives (sign | 0x7FF00000).
     """
     b = s.to(tl.int32, bitcast=True)
     r = (b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000  # keep 3 mantissa bits, ties to even
+    k = s * 512.0 + 8388608.0  # 2**23 + RNE(s * 2**9): one rounding, the product is exact
+    sub = b < 0x3C800000  # s < 2**-6
     nan = (b & 0x7FFFFFFF) > 0x7F800000
-    code = tl.where(nan, ((b >> 24) & 0x80) | 0x7F, (r >> 20) - 960)  # 960 = (127 - 7) << 3
-    value = tl.where(nan, (b & -0x80000000) | 0x7FF00000, r).to(tl.float32, bitcast=True)
+    code = tl.where(sub, k.to(tl.int32, bitcast=True) - 0x4B000000,
+                    (r >> 20) - 960)  # 960 = (127 - 7) << 3
+    value = tl.where(sub, (k - 8388608.0) * 0.001953125, r.to(tl.float32, bitcast=True))
+    code = tl.where(nan, ((b >> 24) & 0x80) | 0x7F, code)
+    value = tl.where(nan, ((b & -0x80000000) | 0x7FF00000).to(tl.float32, bitcast=True), value)
     return code, value
 
 
 @triton.jit
-def block_scale(bamax, s_div, inv_div):
-    """Spec items 2-3 for blocks with fp32 amax ``bamax`` (s_div, inv_div broadcast against it).
+def rcp_rn(p):
+    """1 / p in fp32, round to nearest even, for p >= 0 (or NaN): correct also for subnormal p,
+    which are scaled by 2**64 first (the division may flush subnormal operands to zero); the
+    result is then at least 2**-126 * 2**64, so scaling it back is exact (or overflows to Inf)."""
+    tiny = p < 1.0842021724855044e-19  # 2**-63
+    q = div_rn(tl.zeros_like(p) + 1.0, tl.where(tiny, p * 1.8446744073709552e19, p))
+    return tl.where(tiny, q * 1.8446744073709552e19, q)
 
-    Returns (E4M3 code of the block scale as int32, its fp32 value, fp32 multiplier
-    (1 / s_div) / scale).
+
+@triton.jit
+def block_scale(bamax, s_enc6, s_dec):
+    """Spec items 2-3 for blocks with fp32 amax ``bamax`` (s_enc6 = S_enc * (1/6) and S_dec from
+    :func:`outer_scales`, broadcasting against it): ``sf = e4m3(clamp(min(bamax * s_enc6,
+    FLT_MAX), -448, 448))`` and the value encode scale ``min(1 / (sf * S_dec), FLT_MAX)``.
+
+    Returns (E4M3 code of sf as int32, its fp32 value, the fp32 encode scale); a NaN block (or
+    S_dec) gives a NaN encode scale, which callers use to mask the block.
     """
-    s = div_rn(div_rn(bamax, tl.zeros_like(bamax) + 6.0), s_div)
-    s = tl.where(s > 448.0, 448.0, tl.where(s < 0.015625, 0.015625, s))  # NaN passes, as torch.clamp
+    s = bamax * s_enc6
+    s = tl.where(s > 448.0, 448.0, s)  # min(., FLT_MAX) then the clamp; NaN passes, as torch.clamp
     code, value = e4m3_rne(s)
-    return code, value, div_rn(inv_div, value)
+    enc = rcp_rn(value * s_dec)
+    return code, value, tl.where(enc > FLT_MAX, FLT_MAX, enc)
 
 
 # ----------------------------------------------------------------------------------------------
-# E2M1 rounding, elementwise. Both return the code magnitude (0-7) plus an offset, as uint32.
+# E2M1 rounding, elementwise. Both return the code magnitude (0-7) plus an offset, as uint32, of
+# min(|v|, 6): values past 6 saturate (a block scale rounded down, or a zero scale whose encode
+# scale is FLT_MAX). A NaN ``v`` gives an arbitrary code: callers mask NaN blocks.
 # ----------------------------------------------------------------------------------------------
 RN_OFFSET = tl.constexpr(0x4B000000)
 SR_OFFSET = tl.constexpr(0)
 
 
 @triton.jit
-def e2m1_rn(v, CLAMP: tl.constexpr):
-    """E2M1 round-to-nearest-even code of |v|, plus RN_OFFSET (the bits of 2**23 + code).
+def e2m1_rn(v):
+    """E2M1 round-to-nearest-even code of min(|v|, 6), plus RN_OFFSET (the bits of 2**23 + code).
 
     The code as a function of a = |v| is RNE(f(a)) with f = min(2a, a + 2, a / 2 + 4), the
     piecewise-linear map taking the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} to 0..7 (ties map to
     half-integers, and even codes are the even-mantissa values). RNE is monotonic, so
     RNE(f(a)) = min(RNE(2a), RNE(a) + 2, RNE(a / 2) + 4); each term is one exact fp32 rounding of
-    a + 2**23 + constant. Valid for a < 6.5, always true with a measured amax (a block scale
-    rounded down gives at most 6.375); CLAMP bounds a by 6 first (for estimated amaxes).
-    A NaN ``v`` gives a NaN pattern: callers mask it.
+    a + 2**23 + constant.
     """
-    a = tl.abs(v)
-    if CLAMP:
-        a = tl.minimum(a, 6.0)
+    a = tl.minimum(tl.abs(v), 6.0)
     c = tl.minimum(tl.minimum(a * 2.0 + 8388608.0, a + 8388610.0), a * 0.5 + 8388612.0)
     return c.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _add_one_rp(a):
-    """fp32 a + 1 rounded toward +Inf (PTX ``add.rp.f32``: one FADD on the GPU)."""
-    return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f3F800000;", "=f,f", [a],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
 def e2m1_sr(v, r):
-    """E2M1 stochastic-rounding code of min(|v|, 6) (plus SR_OFFSET = 0) for uint32 16-bit
-    randoms ``r``. (|v| reaches 6.375 when a block scale rounds down; 6 must not round up.)
+    """E2M1 stochastic-rounding code of min(|v|, 6) (plus SR_OFFSET = 0) for 8-bit randoms ``r``
+    (uint32 in [0, 256)): TE's rule (``reference.round_sr``), t = a + (r / 256) * step(a) in fp32,
+    then the largest grid value <= t.
 
-    ``reference.round_sr`` rounds up iff r * 2**-16 < (a - lo) / (hi - lo), i.e. iff the fraction
-    scaled by 2**22, f, exceeds 64 r. In the code space scaled by 2**22 (value V = code * 2**22 + f)
-    that is a carry out of ceil(V) + 0x3FFFFF - 64 r into bit 22. On [1, 6], V is the fp32 bit
-    pattern minus 126 * 2**23 (an integer); below 1 it is a * 2**23, whose ceiling comes exactly
-    from the rounded sum a * 2**23 + 2**23 and the sign of its rounding error.
-    On the GPU, a + 1 rounded toward +Inf (PTX ``add.rp``) has the bits 0x3F800000 + ceil(a * 2**23)
-    below 1, so the ceiling costs one add; from 1 on, that sum minus 0x3F800000 is below the
-    bit-pattern V, and below 1 above it, so a signed max replaces the select (about 3.6 fewer
-    SASS instructions an element on sm90, the gradient pair 6% faster; the same codes, which the
-    GPU tests check against the reference and the CPU tests check for the portable path).
-    A NaN ``v`` gives an arbitrary code (the GPU's min returns 6, the interpreter's NaN): callers
-    mask it, as for :func:`e2m1_rn`.
+    step(a) = 2**(max(E, 0) - 1) for a in [2**E, 2**(E + 1)), so (r / 256) * step(a) is r times
+    the power of two whose bits are max(exponent bits of a, those of 1) - 9 << 23 (exact). t < 8;
+    from 1 on the E2M1 grid has two points a binade, so the floor code is the exponent and top
+    mantissa bit of t, (bits >> 22) - 252; below 1 it is whether t >= 0.5.
     """
     a = tl.minimum(tl.abs(v), 6.0)
-    n = a.to(tl.uint32, bitcast=True)
-    normal = n + ((0x3FFFFF - (252 << 22)) & 0xFFFFFFFF)
-    if _PTX:
-        small = (_add_one_rp(a).to(tl.uint32, bitcast=True)
-                 + ((0x3FFFFF - _ONE_BITS) & 0xFFFFFFFF))
-        w = tl.maximum(small.to(tl.int32, bitcast=True), normal.to(tl.int32, bitcast=True))
-        w = w.to(tl.uint32, bitcast=True)
-    else:
-        x = a * 8388608.0
-        rm = x + 8388608.0  # 2**23 + round(x)
-        below = (rm - 8388608.0) - x  # negative iff round(x) < x: then ceil(x) = round(x) + 1
-        small = (rm.to(tl.uint32, bitcast=True) + (below.to(tl.uint32, bitcast=True) >> 31)
-                 + ((0x3FFFFF - _MAGIC_BITS) & 0xFFFFFFFF))
-        w = tl.where(n < _ONE_BITS, small, normal)
-    return (w - (r << 6)) >> 22
+    e = tl.maximum(a.to(tl.uint32, bitcast=True) & 0x7F800000, 0x3F800000)
+    t = a + r.to(tl.float32) * (e - (9 << 23)).to(tl.float32, bitcast=True)
+    tb = t.to(tl.int32, bitcast=True)
+    return tl.maximum((tb >> 22) - 252, (tb >= 0x3F000000).to(tl.int32)).to(tl.uint32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,15 +240,14 @@ def philox4x32(seed, counter):
 
 @triton.jit
 def bits16(seed, counter):
-    """SR randoms of 16-element blocks as an (A, B, 16) uint32 tensor (``reference.sr_bits``):
-    element j takes half j % 2 of word (j % 8) // 2 of ``randint4x(seed, counter + j // 8)``;
-    ``counter`` (A, B) uint32 is the Philox counter of elements 0-7 of each block."""
-    halves = ()
-    for k in tl.static_range(2):
-        w0, w1, w2, w3 = philox4x32(seed, counter + k)
-        halves = halves + (w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16,
-                           w2 & 0xFFFF, w2 >> 16, w3 & 0xFFFF, w3 >> 16)
-    return join16(halves)
+    """SR randoms of 16-element blocks as an (A, B, 16) uint32 tensor in [0, 256)
+    (``reference.sr_bits``): element j takes byte j % 4 of word j // 4 of
+    ``randint4x(seed, counter)``; ``counter`` (A, B) uint32 is each block's Philox counter."""
+    w0, w1, w2, w3 = philox4x32(seed, counter)
+    return join16((w0 & 0xFF, (w0 >> 8) & 0xFF, (w0 >> 16) & 0xFF, w0 >> 24,
+                   w1 & 0xFF, (w1 >> 8) & 0xFF, (w1 >> 16) & 0xFF, w1 >> 24,
+                   w2 & 0xFF, (w2 >> 8) & 0xFF, (w2 >> 16) & 0xFF, w2 >> 24,
+                   w3 & 0xFF, (w3 >> 8) & 0xFF, (w3 >> 16) & 0xFF, w3 >> 24))
 
 
 @triton.jit
@@ -303,41 +292,41 @@ def hadamard16_abs_max(y, signs):
 @triton.jit
 def rht16(y, signs):
     """16-point random Hadamard transform of (A, B, 16) blocks along the last axis (spec item 7):
-    :func:`hadamard16` times 0.25."""
+    :func:`hadamard16` times 0.25, fp32 (round it to the input dtype with :func:`round_to`)."""
     return hadamard16(y, signs) * 0.25
 
 
 @triton.jit
-def _codes(v, bits, SR: tl.constexpr, CLAMP: tl.constexpr, SAFE: tl.constexpr):
-    if SR:
-        c = e2m1_sr(v, bits)
+def round_to(y, dtype: tl.constexpr):
+    """fp32 ``y`` rounded to the precision of ``dtype`` (nearest even), as fp32: bf16 by bit
+    operations (the interpreter truncates fp32 -> bf16 casts; NaN and Inf are kept), fp16 by
+    a cast (exact on both), fp32 unchanged. The transformed RHT operand is rounded so (item 7)."""
+    if dtype == tl.bfloat16:
+        b = y.to(tl.uint32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return y.to(tl.float16).to(tl.float32)
     else:
-        c = e2m1_rn(v, CLAMP or SAFE)
-    if SAFE:
-        c = tl.where(v != v, SR_OFFSET if SR else RN_OFFSET, c)
-    return c
+        return y
 
 
 @triton.jit
-def nibbles(v, bits, huge, mul2, SR: tl.constexpr, CLAMP: tl.constexpr):
+def nibbles(v, bits, SR: tl.constexpr):
     """(code magnitudes + offset, sign bits) of scaled values ``v``, uint32 tensors shaped like v.
 
-    huge (scalar): the block multipliers may have overflowed to +Inf (tiny amax), giving +-Inf and
-    NaN values; they are then clamped / zeroed one by one (a branch: the common case pays nothing).
-    The sign is the sign bit of v, as ``formats.e2m1_encode_rn`` takes it.
+    The sign is set for v < 0 (so -0.0 and NaN give +0), as ``formats.e2m1_encode_rn`` takes it.
     """
-    if huge:
-        c = _codes(v, bits, SR, CLAMP, True)
+    if SR:
+        c = e2m1_sr(v, bits)
     else:
-        c = _codes(v, bits, SR, CLAMP, False)
-    # the sign bit as a multiply-high by 2 (FMA pipe; ``mul2`` = 2 at run time keeps it one)
-    return c, tl.umulhi(v.to(tl.uint32, bitcast=True), mul2)
+        c = e2m1_rn(v)
+    return c, (v < 0).to(tl.uint32)
 
 
 @triton.jit
 def finish_half(code, sign, bad, SR: tl.constexpr):
     """A uint32 word of 8 packed nibbles from the base-16 sums of their codes (with offsets) and
-    of their sign bits; ``bad`` zeroes the magnitudes of blocks with a NaN multiplier."""
+    of their sign bits; ``bad`` zeroes the magnitudes of blocks with a NaN encode scale."""
     OFFSET: tl.constexpr = SR_OFFSET if SR else RN_OFFSET
     return tl.where(bad, 0, code - ((OFFSET * 0x11111111) & 0xFFFFFFFF)) + sign * 8
 
@@ -350,18 +339,18 @@ def finish_words(code, sign, bad, SR: tl.constexpr):
 
 
 @triton.jit
-def encode16(v, bits, bad, huge, mul16, SR: tl.constexpr, CLAMP: tl.constexpr):
+def encode16(v, bits, bad, mul16, SR: tl.constexpr):
     """E2M1 codes of scaled block values ``v`` (A, B, 16), packed into (A, B) uint64 words.
 
-    bad: (A, B) true for blocks with a NaN multiplier (non-finite data): magnitudes 0.
-    bits: SR randoms shaped like v (SR only). huge: see :func:`nibbles`.
+    bad: (A, B) true for blocks with a NaN encode scale (non-finite data): magnitudes 0.
+    bits: SR randoms shaped like v (SR only).
     """
-    c, s = nibbles(v, bits, huge, (mul16 // 8).to(tl.uint32), SR, CLAMP)
+    c, s = nibbles(v, bits, SR)
     return finish_words(pack16(c, mul16), pack16(s, mul16), bad[:, :, None], SR)
 
 
 @triton.jit
-def inner16(v, bits, scale, huge, mul16, SR: tl.constexpr, CLAMP: tl.constexpr):
+def inner16(v, bits, scale, mul16, SR: tl.constexpr):
     """Inner values (E2M1 value x block scale) of scaled block values ``v`` (A, B, 16) whose block
     scales are ``scale`` ((A, B) fp32 E4M3 values): (A, B, 16) float16, exact, what
     ``gemm.dequantize_inner`` gives for the codes :func:`encode16` writes (NaN for a NaN scale).
@@ -371,7 +360,7 @@ def inner16(v, bits, scale, huge, mul16, SR: tl.constexpr, CLAMP: tl.constexpr):
     (0 or 2**-10 ... 2688, at most 6 significant bits); the code offsets times 4 vanish mod 256.
     """
     mul4 = mul16 // 4
-    c, s = nibbles(v, bits, huge, (mul4 // 2).to(tl.uint32), SR, CLAMP)
+    c, s = nibbles(v, bits, SR)
     e4m3 = (c * mul4 + s * (mul4 * 32)).to(tl.uint8)
     return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16) * (scale * 64.0).to(tl.float16)[:, :, None]
 
@@ -405,25 +394,23 @@ def bits_to_float(m, dtype: tl.constexpr):
 
 
 @triton.jit
-def quantize_block(y, s_div, inv_div, huge, seed, counter, mul16, SR: tl.constexpr,
-                   CLAMP: tl.constexpr, INNER: tl.constexpr):
+def quantize_block(y, s_enc6, s_dec, seed, counter, mul16, SR: tl.constexpr, INNER: tl.constexpr):
     """Quantize fp32 (A, B, 16) blocks along the last axis (spec items 2-6).
 
-    s_div, inv_div: outer scale divisor and its reciprocal, broadcasting against (A, B).
-    huge: scalar, true if some inv_div >= 2**122 (then 1/s_div/scale may overflow: exact slow path).
-    counter: (A, B) uint32 Philox counter of elements 0-7 of each block (SR only).
+    s_enc6, s_dec: S_enc * (1/6) and S_dec (:func:`outer_scales`), broadcasting against (A, B).
+    counter: (A, B) uint32 Philox counter of each block (SR only).
     Returns ((A, B) uint64 words of the 16 packed codes, (A, B) int32 E4M3 scale codes), or with
     INNER the (A, B, 16) float16 inner values of :func:`inner16` (and the scale codes).
     """
-    scode, scale, recip = block_scale(abs_max16(y), s_div, inv_div)
-    v = y * recip[:, :, None]
+    scode, scale, enc = block_scale(abs_max16(y), s_enc6, s_dec)
+    v = y * enc[:, :, None]
     bits = 0
     if SR:
         bits = bits16(seed, counter)
     if INNER:
-        out = inner16(v, bits, scale, huge, mul16, SR, CLAMP)
+        out = inner16(v, bits, scale, mul16, SR)
     else:
-        out = encode16(v, bits, recip != recip, huge, mul16, SR, CLAMP)
+        out = encode16(v, bits, enc != enc, mul16, SR)
     return out, scode
 
 

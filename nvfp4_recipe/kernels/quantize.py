@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from . import amax as A
-from .common import (HUGE_INV, abs_max16_bits, bits16, bits_to_float, block_scale, encode16,
-                     load_col_blocks, load_row_blocks, outer_scale, prune_wide_tiles, quantize_block,
-                     rht16, scalar_arg)
+from .common import (abs_max16_bits, bits16, bits_to_float, block_scale, encode16, load_col_blocks,
+                     load_row_blocks, outer_scales, prune_wide_tiles, quantize_block, rht16,
+                     round_to, scalar_arg)
 from .gemm import (check_operand, dequant_job, inner_values_supported, interpreting,
                    load_codes_tile, store_inner_tile)
 
@@ -102,40 +102,38 @@ def _u32(x):
 @triton.jit
 def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.constexpr,
             first_col, first):
-    """(s_div, 1 / s_div, huge) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
-    (X, 1) tensors, else of the tensor (scalars); s_outer is written by the programs holding the
-    first column of those rows (``first_col``), or by the ``first`` program when per tensor.
-    huge: a scalar, whether some 1 / s_div >= 2**122 (see quantize_block)."""
+    """(S_enc * (1/6), S_dec) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
+    (X, 1) tensors, else of the tensor (scalars) (``common.outer_scales``); S_dec, the outer
+    scale, is written by the programs holding the first column of those rows (``first_col``),
+    or by the ``first`` program when per tensor."""
     if PER_TOKEN:
         idx = rows[:, None]
-        s_outer, s_div, inv_div = outer_scale(tl.load(amax_ptr + idx, mask=idx < n, other=0.0), mult, MULT)
+        s_enc6, s_dec = outer_scales(tl.load(amax_ptr + idx, mask=idx < n, other=0.0), mult, MULT)
         if first_col:
-            tl.store(o_ptr + idx, s_outer, mask=idx < n)
-        huge = tl.max(tl.max(inv_div, axis=1), axis=0) >= HUGE_INV
+            tl.store(o_ptr + idx, s_dec, mask=idx < n)
     else:
-        s_outer, s_div, inv_div = outer_scale(tl.load(amax_ptr), mult, MULT)
+        s_enc6, s_dec = outer_scales(tl.load(amax_ptr), mult, MULT)
         if first:
-            tl.store(o_ptr, s_outer)
-        huge = inv_div >= HUGE_INV
-    return s_div, inv_div, huge
+            tl.store(o_ptr, s_dec)
+    return s_enc6, s_dec
 
 
 @triton.jit
-def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div, huge, seed,
-                    offset, mul16, SR: tl.constexpr, CLAMP: tl.constexpr, INNER: tl.constexpr):
+def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, seed, offset, mul16,
+                    SR: tl.constexpr, INNER: tl.constexpr):
     """Quantize fp32 (BB, BC, 16) blocks of operand rows ``row`` and block columns ``blk``
     (index tensors broadcasting to (BB, BC)) of an (n_rows, n_cols) operand; store the codes at
     q_ptr (int64 view of the (n_rows, n_cols / 2) bytes) and the scales at s_ptr, or with INNER
-    the fp16 inner values at q_ptr ((n_rows, n_cols); s_ptr unused)."""
-    counter = _u32(offset) + _u32(row) * _u32(n_cols // 8) + _u32(blk) * 2
-    out, scode = quantize_block(y, s_div, inv_div, huge, seed, counter, mul16, SR, CLAMP, INNER)
+    the fp16 inner values at q_ptr ((n_rows, n_cols); s_ptr unused). A block's Philox counter is
+    offset + its index in the row-major (n_rows, n_cols / 16) block grid (``reference.sr_bits``)."""
+    idx = row * (n_cols // 16) + blk
+    out, scode = quantize_block(y, s_enc6, s_dec, seed, _u32(offset) + _u32(idx), mul16, SR, INNER)
     mask = (row < n_rows) & (blk < n_cols // 16)
     if INNER:
         first = row * n_cols + blk * 16
         tl.store(q_ptr + first[:, :, None] + tl.arange(0, 16)[None, None, :], out,
                  mask=mask[:, :, None])
     else:
-        idx = row * (n_cols // 16) + blk
         tl.store(q_ptr + idx, out.to(tl.int64, bitcast=True), mask=mask)
         tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
 
@@ -146,14 +144,16 @@ def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, 
                    PER_TOKEN: tl.constexpr, MULT: tl.constexpr, RHT: tl.constexpr,
                    SR: tl.constexpr, INNER: tl.constexpr):
     """One copy of a program's tile in :func:`_quantize_1d_kernel`: the outer scales of operand
-    rows ``rows`` (:func:`_scales`), the RHT of the fp32 (len(rows), len(blk), 16) blocks ``y``
-    if RHT, then :func:`_quantize_store` of them into an (n_rows, n_cols) operand."""
-    s_div, inv_div, huge = _scales(amax_ptr, o_ptr, rows, n_rows, mult, PER_TOKEN, MULT,
-                                   first_col, first)
+    rows ``rows`` (:func:`_scales`), the RHT of the (len(rows), len(blk), 16) blocks ``y`` (in the
+    input dtype) rounded back to that dtype if RHT, then :func:`_quantize_store` of them into an
+    (n_rows, n_cols) operand."""
+    s_enc6, s_dec = _scales(amax_ptr, o_ptr, rows, n_rows, mult, PER_TOKEN, MULT, first_col, first)
     if RHT:
-        y = rht16(y, tl.load(signs_ptr + tl.arange(0, 16)))
-    _quantize_store(y, rows[:, None], blk[None, :], n_rows, n_cols, q_ptr, s_ptr, s_div, inv_div,
-                    huge, seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, MULT, INNER)
+        yf = round_to(rht16(y.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16))), y.dtype)
+    else:
+        yf = y.to(tl.float32)
+    _quantize_store(yf, rows[:, None], blk[None, :], n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec,
+                    seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, INNER)
 
 
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
@@ -188,14 +188,14 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
     if ROW:  # operand x (M, K): rows m, block columns c
         m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
         c = pid_c * BC + tl.arange(0, BC)
-        y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k).to(tl.float32)
+        y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
         _quantize_copy(y, m, c, M, K, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
                        signs_ptr, seed, mul16, pid_c == 0, first, ROFF_PTR, ROW_PER_TOKEN,
                        ROW_MULT, False, ROW_SR, ROW_INNER)
     # operand x^T (K, M): rows k, block columns b
     k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
     b = pid_b * BB + tl.arange(0, BB)
-    y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k).to(tl.float32)
+    y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
     _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg, signs_ptr,
                    seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN, COL_MULT, COL_RHT,
                    COL_SR, COL_INNER)
@@ -228,13 +228,13 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_pt
     off = scalar_arg(off_arg, OFF_PTR)
     m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)  # rows of x
     c = pid_c * (T * BC) + tl.arange(0, BC)  # block columns of x, first tile
-    s_div, inv_div, huge = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
-                                   (pid_b == 0) & (pid_c == 0))
+    s_enc6, s_dec = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
+                            (pid_b == 0) & (pid_c == 0))
     x = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
     for t in range(T):
         x_next = load_row_blocks(x_ptr, m, c + BC, M, K, stride_m, stride_k, t + 1 < T)  # prefetch
-        _quantize_store(x.to(tl.float32), m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_div,
-                        inv_div, huge, seed, off, mul16, SR, MULT, INNER)
+        _quantize_store(x.to(tl.float32), m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6,
+                        s_dec, seed, off, mul16, SR, INNER)
         x = x_next
         c += BC
 
@@ -261,13 +261,12 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
     b = pid_b * BB + tl.arange(0, BB)
     c = pid_c * BC + tl.arange(0, BC)
     rows = load_row_blocks(w_ptr, n, c, N, K, stride_n, stride_k)  # [n, c, i] = w[n, 16c + i]
-    s_outer, s_div, inv_div = outer_scale(tl.load(amax_ptr), mult, MULT)
+    s_enc6, s_dec = outer_scales(tl.load(amax_ptr), mult, MULT)
     if (pid_b == 0) & (pid_c == 0):
-        tl.store(o_ptr, s_outer)
+        tl.store(o_ptr, s_dec)
     a16 = abs_max16_bits(rows)
     a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
-    scode, _, recip = block_scale(bits_to_float(a, rows.dtype), s_div, inv_div)  # (BB, BC)
-    huge = inv_div >= HUGE_INV
+    scode, _, enc = block_scale(bits_to_float(a, rows.dtype), s_enc6, s_dec)  # (BB, BC)
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
     if W:
         tl.store(s_ptr + b[:, None] * (K // 16) + c[None, :], scode.to(tl.uint8), mask=mask)
@@ -276,28 +275,24 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
     seed = scalar_arg(seed_arg, SEED_PTR)
     bits = 0
     if SR:  # W's row-major element order
-        counter = (_u32(scalar_arg(off_arg, OFF_PTR)) + _u32(n[:, None]) * _u32(K // 8)
-                   + _u32(c[None, :]) * 2)
+        counter = (_u32(scalar_arg(off_arg, OFF_PTR)) + _u32(n[:, None]) * _u32(K // 16)
+                   + _u32(c[None, :]))
         bits = bits16(seed, counter)  # (16 BB, BC, 16)
     if W:
-        recip_r = tl.reshape(tl.broadcast_to(recip[:, None, :], (BB, 16, BC)), (16 * BB, BC))
-        bad_r = recip_r != recip_r
-        words = encode16(rows.to(tl.float32) * recip_r[:, :, None], bits, bad_r, huge, mul16,
-                         SR, MULT)
+        enc_r = tl.reshape(tl.broadcast_to(enc[:, None, :], (BB, 16, BC)), (16 * BB, BC))
+        words = encode16(rows.to(tl.float32) * enc_r[:, :, None], bits, enc_r != enc_r, mul16, SR)
         rmask = (n < N)[:, None] & (c < K // 16)[None, :]
         tl.store(q_ptr + n[:, None] * (K // 16) + c[None, :], words.to(tl.int64, bitcast=True),
                  mask=rmask)
     if WT:
         k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
         cols = load_col_blocks(w_ptr, k, b, N, K, stride_n, stride_k)  # [k, b, j] = w[16b + j, k]
-        rt = tl.trans(recip)  # (BC, BB)
-        recip_c = tl.reshape(tl.broadcast_to(rt[:, None, :], (BC, 16, BB)), (16 * BC, BB))
-        bad_c = recip_c != recip_c
+        et = tl.trans(enc)  # (BC, BB)
+        enc_c = tl.reshape(tl.broadcast_to(et[:, None, :], (BC, 16, BB)), (16 * BC, BB))
         bits_c = 0
         if SR:
             bits_c = tl.reshape(tl.trans(tl.reshape(bits, (16 * BB, 16 * BC))), (16 * BC, BB, 16))
-        words = encode16(cols.to(tl.float32) * recip_c[:, :, None], bits_c, bad_c, huge, mul16,
-                         SR, MULT)
+        words = encode16(cols.to(tl.float32) * enc_c[:, :, None], bits_c, enc_c != enc_c, mul16, SR)
         cmask = (k < K)[:, None] & (b < N // 16)[None, :]
         tl.store(qt_ptr + k[:, None] * (N // 16) + b[None, :], words.to(tl.int64, bitcast=True),
                  mask=cmask)
