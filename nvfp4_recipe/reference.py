@@ -8,18 +8,16 @@ Tensor conventions: an operand is (..., M, K) with its 16-element blocks along t
 (the GEMM reduction dimension). 2D blocks are 16x16 tiles of a 2D (M, K) tensor.
 """
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
+from .operand import NVFP4Operand
+from .spec import Block, QuantSpec, Scaling
 from .formats import (BLOCK, E2M1_MAX, E4M3_MAX, FLT_MAX, FP4_RANGE, e2m1_decode, e2m1_encode_rn,
                       e2m1_floor_code, pack_nibbles, unpack_nibbles)
 
 IntOrTensor = Union[int, torch.Tensor]
-
-BLOCKS = ("1d", "2d")
-SCALINGS = ("per_tensor", "per_token")
-ROUNDINGS = ("rn", "sr")
 
 # ----------------------------------------------------------------------------------------------
 # Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011), written
@@ -141,55 +139,33 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Quantization (spec items 1-5, 8-10)
 # ----------------------------------------------------------------------------------------------
-class NVFP4Data(NamedTuple):
-    """Plain tensors of one NVFP4 operand.
-
-    qdata: uint8 (..., M, K // 2), two E2M1 codes per byte, even element in the low nibble.
-    scale: float8_e4m3fn block scales, (..., M, K // 16) for 1d or (M // 16, K // 16) for 2d.
-    outer_scale: float32 outer decode scale S_dec = 1 / min(2688 / amax, FLT_MAX), () per-tensor
-        or (..., M) per-token.
-    """
-
-    qdata: torch.Tensor
-    scale: torch.Tensor
-    outer_scale: torch.Tensor
-
-
 def _check_last_dim(x: torch.Tensor) -> None:
     if x.dim() < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"the last dimension must be a multiple of {BLOCK}, got shape {tuple(x.shape)}")
 
 
-def check_input(x: torch.Tensor, block: str, scaling: str, rounding: str) -> None:
-    """Validate a high-precision tensor and options for quantization.
+def check_input(x: torch.Tensor, spec: QuantSpec) -> None:
+    """Validate a high-precision tensor for quantization under ``spec``.
 
     Raises:
         TypeError: dtype not bfloat16, float16 or float32.
-        ValueError: an unknown option, a dimension not a multiple of 16, or 2d blocks on a tensor
-            that is not 2-D or with per-token scaling.
+        ValueError: a dimension not a multiple of 16, or 2d blocks on a tensor that is not 2-D.
     """
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"NVFP4 quantization takes bfloat16, float16 or float32 input, got {x.dtype}")
-    for name, value, allowed in (("block", block, BLOCKS), ("scaling", scaling, SCALINGS),
-                                 ("rounding", rounding, ROUNDINGS)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     _check_last_dim(x)
-    if block == "2d":
-        if x.dim() != 2 or x.shape[0] % BLOCK:
-            raise ValueError(f"2d (16x16) blocks need a 2-D tensor with both dims multiples of 16, "
-                             f"got shape {tuple(x.shape)}")
-        if scaling == "per_token":
-            raise ValueError("2d blocks take a per-tensor outer scale; per_token scaling needs 1d blocks")
+    if spec.block is Block.D2 and (x.dim() != 2 or x.shape[0] % BLOCK):
+        raise ValueError(f"2d (16x16) blocks need a 2-D tensor with both dims multiples of 16, "
+                         f"got shape {tuple(x.shape)}")
 
 
-def amax(x: torch.Tensor, scaling: str) -> torch.Tensor:
-    """max |x| as float32: a scalar (per_tensor) or one per row, shape (..., M) (per_token).
+def amax(x: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """max |x| as float32: a scalar (per tensor) or one per row, shape (..., M) (per token).
 
     NaN and Inf propagate (spec item 9).
     """
     a = x.float().abs()
-    return a.amax() if scaling == "per_tensor" else a.amax(dim=-1)
+    return a.amax(dim=-1) if Scaling(scaling) is Scaling.PER_TOKEN else a.amax()
 
 
 def encode_scale(amax_: torch.Tensor) -> torch.Tensor:
@@ -210,17 +186,17 @@ def decode_scale(s_enc: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(s_enc) / s_enc
 
 
-def _block_view(x: torch.Tensor, block: str) -> torch.Tensor:
-    """(…, M, K) -> (…, M, K/16, 16) for 1d, (M/16, K/16, 16, 16) for 2d."""
-    if block == "1d":
+def _block_view(x: torch.Tensor, block: Block) -> torch.Tensor:
+    """(…, M, K) -> (…, M, K/16, 16) for 1d, (M/16, K/16, 256) for 2d."""
+    if block is Block.D1:
         return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     m, k = x.shape
     return x.reshape(m // BLOCK, BLOCK, k // BLOCK, BLOCK).transpose(1, 2).reshape(
         m // BLOCK, k // BLOCK, BLOCK * BLOCK)
 
 
-def _unblock(v: torch.Tensor, shape, block: str) -> torch.Tensor:
-    if block == "1d":
+def _unblock(v: torch.Tensor, shape, block: Block) -> torch.Tensor:
+    if block is Block.D1:
         return v.reshape(shape)
     m, k = shape
     return v.reshape(m // BLOCK, k // BLOCK, BLOCK, BLOCK).transpose(1, 2).reshape(m, k)
@@ -268,10 +244,9 @@ def round_sr(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return e2m1_floor_code(t) | ((v < 0).to(torch.uint8) << 3)
 
 
-def quantize(x: torch.Tensor, *, block: str = "1d", scaling: str = "per_tensor",
-             rounding: str = "rn", seed: IntOrTensor = 0, offset: IntOrTensor = 0,
-             rht_signs: Optional[torch.Tensor] = None,
-             amax_: Optional[torch.Tensor] = None) -> NVFP4Data:
+def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTensor = 0,
+             offset: IntOrTensor = 0, rht_signs: Optional[torch.Tensor] = None,
+             amax_: Optional[torch.Tensor] = None) -> NVFP4Operand:
     """Quantize a high-precision tensor to NVFP4 with TransformerEngine's chain (spec items 1-10).
 
     In fp32 and in this order: ``S_enc = min(2688 / amax, FLT_MAX)``, ``S_dec = 1 / S_enc``;
@@ -283,72 +258,83 @@ def quantize(x: torch.Tensor, *, block: str = "1d", scaling: str = "per_tensor",
 
     Args:
         x: (..., M, K) bfloat16/float16/float32 tensor, K (and M for 2d) a multiple of 16.
-        block: "1d" (1x16 blocks along K) or "2d" (16x16 tiles; 2-D input, per-tensor only).
-        scaling: "per_tensor" (one outer scale) or "per_token" (one per row, shape (..., M)).
-        rounding: "rn" (round to nearest even) or "sr" (stochastic, Philox bits from seed/offset).
-        seed, offset: the SR stream, see :func:`sr_bits`; ignored for "rn".
-        rht_signs: if given, quantize ``rht(x, rht_signs)`` (rounded to x's dtype) instead of
-            ``x`` (spec item 7).
-        amax_: overrides the measured amax (spec item 8, amax estimation); scalar or (..., M).
+        spec: block (1d: 1x16 along K; 2d: 16x16 tiles of a 2-D tensor), scaling (per tensor,
+            or per token: one outer scale per row, shape (..., M)), rounding (RN or SR), rht
+            (quantize ``rht(x, rht_signs)``, rounded to x's dtype, spec item 7) and amax_scale
+            (use ``amax_scale * amax(x)`` as the amax, spec item 8).
+        seed, offset: the SR stream, see :func:`sr_bits`; ignored for RN.
+        rht_signs: (16,) +-1 RHT signs, needed when ``spec.rht``.
+        amax_: overrides the amax (scalar or (..., M)); the backends pass the estimate here.
     Returns:
-        :class:`NVFP4Data` whose ``outer_scale`` is the decode scale S_dec.
+        :class:`NVFP4Operand` whose ``outer_scale`` is the decode scale S_dec.
     Raises:
-        TypeError, ValueError: see :func:`check_input`.
+        TypeError, ValueError: see :func:`check_input`; ValueError for an RHT without signs.
     """
-    check_input(x, block, scaling, rounding)
-    xf = x.float() if rht_signs is None else rht(x, rht_signs).float()
+    check_input(x, spec)
+    if spec.rht and rht_signs is None:
+        raise ValueError("an RHT operand needs rht_signs")
+    xf = rht(x, rht_signs).float() if spec.rht else x.float()
     if amax_ is None:
-        amax_ = amax(xf, scaling)
+        amax_ = amax(x if spec.amax_scale is not None else xf, spec.scaling)
+        if spec.amax_scale is not None:
+            amax_ = spec.amax_scale * amax_
     s_enc = encode_scale(amax_)
     s_dec = decode_scale(s_enc)
-    enc_b, dec_b = (s_enc[..., None], s_dec[..., None]) if scaling == "per_token" else (s_enc, s_dec)
-    blocks = _block_view(xf, block)
+    enc_b, dec_b = (s_enc[..., None], s_dec[..., None]) if spec.per_token else (s_enc, s_dec)
+    blocks = _block_view(xf, spec.block)
     scale = block_scales(blocks, enc_b)
     enc = value_scales(scale, dec_b)
     v = torch.clamp(blocks * enc[..., None], -E2M1_MAX, E2M1_MAX)
-    v = _unblock(v, xf.shape, block)
-    if rounding == "rn":
-        codes = e2m1_encode_rn(v)
-    else:
+    v = _unblock(v, xf.shape, spec.block)
+    if spec.sr:
         codes = round_sr(v, sr_bits(seed, offset, v.shape, device=v.device))
-    return NVFP4Data(pack_nibbles(codes), scale, s_dec)
+    else:
+        codes = e2m1_encode_rn(v)
+    return NVFP4Operand(pack_nibbles(codes), scale, s_dec, spec.block)
 
 
-def expand_scale(scale: torch.Tensor, block: str) -> torch.Tensor:
+def expand_scale(scale: torch.Tensor, block: Block) -> torch.Tensor:
     """Block scales as one row per data row, float32: (…, M, K/16); 2d scales repeat 16 times."""
     s = scale.float()
-    return s.repeat_interleave(BLOCK, dim=-2) if block == "2d" else s
+    return s.repeat_interleave(BLOCK, dim=-2) if Block(block) is Block.D2 else s
 
 
-def dequantize_inner(qdata: torch.Tensor, scale: torch.Tensor, block: str = "1d") -> torch.Tensor:
-    """codes * block scale, float32 (..., M, K), without the outer scale. Exact (fits bfloat16)."""
-    v = e2m1_decode(unpack_nibbles(qdata))
-    s = expand_scale(scale, block)
+def dequantize_inner(op: NVFP4Operand) -> torch.Tensor:
+    """codes * block scale of an operand with codes, float32 (..., M, K), without the outer
+    scale. Exact (fits bfloat16 and float16)."""
+    v = e2m1_decode(unpack_nibbles(op.qdata))
+    s = expand_scale(op.scale, op.block)
     return (v.reshape(*s.shape, BLOCK) * s[..., None]).reshape(v.shape)
 
 
-def dequantize(data: NVFP4Data, block: str = "1d") -> torch.Tensor:
-    """Dequantize to float32 (..., M, K): codes * block scale * outer scale."""
-    inner = dequantize_inner(data.qdata, data.scale, block)
-    outer = data.outer_scale
+def dequantize(op: NVFP4Operand) -> torch.Tensor:
+    """Dequantize to float32 (..., M, K): codes * block scale * outer scale (or, for an operand
+    holding inner values, values * outer scale)."""
+    inner = op.values.float() if op.values is not None else dequantize_inner(op)
+    outer = op.outer_scale
     return inner * (outer[..., None] if outer.dim() else outer)
 
 
-def transpose_2d(data: NVFP4Data) -> NVFP4Data:
+def transpose_2d(op: NVFP4Operand) -> NVFP4Operand:
     """The exact transpose of a 2d-quantized (M, K) operand, as a (K, M) operand packed along M.
 
     Codes and block scales are moved, not requantized: dequantize(transpose) == dequantize(x).T.
+
+    Raises:
+        ValueError: the operand does not have 2d blocks (a 1d operand's blocks would run along
+            the wrong dimension; quantize the transpose instead).
     """
-    codes = unpack_nibbles(data.qdata).t().contiguous()
-    return NVFP4Data(pack_nibbles(codes), data.scale.t().contiguous(), data.outer_scale)
+    if op.block is not Block.D2:
+        raise ValueError("only a 2d-blocked operand has an exact transpose; quantize x.t() instead")
+    codes = unpack_nibbles(op.qdata).t().contiguous()
+    return NVFP4Operand(pack_nibbles(codes), op.scale.t().contiguous(), op.outer_scale, Block.D2)
 
 
-def scaled_mm(a: NVFP4Data, b: NVFP4Data, *, a_block: str = "1d", b_block: str = "1d",
-              bias: Optional[torch.Tensor] = None,
+def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Emulated NVFP4 GEMM: D = (s_a[:, None] * s_b[None, :]) * (A_deq @ B_deq^T) + bias.
+    """Emulated NVFP4 GEMM: D = (s_a[:, None] * s_b[None, :]) * (A_inner @ B_inner^T) + bias.
 
-    A_deq, B_deq are codes times block scales (exact in float32); the product accumulates in
+    A_inner, B_inner are codes times block scales (exact in float32); the product accumulates in
     float32 and the outer scales factor out of the K-sum (spec item 1).
 
     Args:
@@ -359,22 +345,23 @@ def scaled_mm(a: NVFP4Data, b: NVFP4Data, *, a_block: str = "1d", b_block: str =
     Raises:
         ValueError: if the K dimensions differ.
     """
-    a_inner = dequantize_inner(a.qdata, a.scale, a_block)
-    b_inner = dequantize_inner(b.qdata, b.scale, b_block)
+    a_inner = dequantize_inner(a) if a.values is None else a.values.float()
+    b_inner = dequantize_inner(b) if b.values is None else b.values.float()
     if a_inner.shape[-1] != b_inner.shape[-1]:
         raise ValueError(f"K mismatch: A is {tuple(a_inner.shape)}, B is {tuple(b_inner.shape)}")
-    return apply_outer_scales(a_inner @ b_inner.t(), a, b, bias, out_dtype)
+    return apply_outer_scales(a_inner @ b_inner.t(), a.outer_scale, b.outer_scale, bias, out_dtype)
 
 
-def apply_outer_scales(acc: torch.Tensor, a: NVFP4Data, b: NVFP4Data,
+def apply_outer_scales(acc: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor,
                        bias: Optional[torch.Tensor] = None,
                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The GEMM epilogue: ``(s_a[:, None] * s_b[None, :]) * acc + bias`` in fp32, rounded once.
 
-    acc: the float32 (M, N) product of the inner (code x block scale) values.
+    acc: the float32 (M, N) product of the inner (code x block scale) values; a_outer, b_outer
+    the outer scales of A (() or (M,)) and B (() or (N,)).
     """
-    s_a = a.outer_scale[:, None] if a.outer_scale.dim() else a.outer_scale
-    s_b = b.outer_scale[None, :] if b.outer_scale.dim() else b.outer_scale
+    s_a = a_outer[:, None] if a_outer.dim() else a_outer
+    s_b = b_outer[None, :] if b_outer.dim() else b_outer
     d = (s_a * s_b) * acc
     if bias is not None:
         d = d + bias.float()

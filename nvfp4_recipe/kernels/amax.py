@@ -1,15 +1,14 @@
 """Amax kernels: max |x| over a tensor, per row, per column, and of the columnwise RHT output.
 
 One kernel reads a tile of x as column blocks (16 rows of one column in a thread's registers, the
-blocks of the columnwise copy; ``common.load_col_blocks``) and reduces it to any of: the global
+blocks of the columnwise copy; ``tiles.load_col_blocks``) and reduces it to any of: the global
 amax, per-row amaxes (per-token scaling of the rowwise copy), and the global or per-column amax of
 x or of the 16-point RHT of x along M (the columnwise copy), the last without writing the
 transformed tensor. The grid is persistent (a few programs per SM, each looping over tiles): a
 program folds its tiles' per-tensor maxima in registers and issues one atomic max per result at the
 end (per-index maxima: one per element and tile), which measured 13-29% faster than one program a
-tile with its own atomics (H200, 2026-11-21, docs/benchmarks.md). The RHT maxima fold the last
-butterfly stage into the maximum (``common.hadamard16_abs_max``: 0-7% faster at the gpu-preset
-shapes); a program whose result is Inf or NaN takes its tiles again with the full transform, which
+tile with its own atomics. The RHT maxima fold the last butterfly stage into the maximum
+(``hadamard.hadamard16_abs_max``); a program whose result is Inf or NaN takes its tiles again with the full transform, which
 alone gives NaN where two Infs meet. The maxima are taken on the int32 bit patterns of |x|, so NaN
 wins over everything and propagates (spec item 9).
 """
@@ -20,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (abs_bits, abs_max16, abs_max16_bits, bits_to_float, hadamard16,
-                     hadamard16_abs_max, load_col_blocks, prune_wide_tiles, round_to)
-from .gemm import interpreting, num_sms
+from .hadamard import hadamard16, hadamard16_abs_max
+from .rounding import abs_bits, round_to
+from .runtime import interpreting, num_sms, prune_wide_tiles
+from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
@@ -30,8 +30,8 @@ NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 def _configs():
     """(BB, BC) = a tile in 16 x 16 blocks, P = programs per SM of the persistent grid. The first
     measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
-    on the H200 (2026-11-21 sweep, docs/benchmarks.md) and is the only one with NVFP4_AUTOTUNE=0;
-    narrower tiles for small K (see ``prune_wide_tiles``)."""
+    on the H200 and is the only one with NVFP4_AUTOTUNE=0; narrower tiles for small K (see
+    ``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]
     space = ((2, 16, 4, 4), (2, 16, 16, 4), (2, 8, 8, 4), (4, 4, 8, 4), (8, 4, 8, 4))

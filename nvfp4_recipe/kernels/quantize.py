@@ -1,6 +1,8 @@
 """NVFP4 quantization kernels: the fused 1D rowwise/columnwise kernel and the 2D (16x16) kernel.
 
-Bit-exact with ``nvfp4_recipe.reference.quantize`` (the spec); see ``common`` for how.
+Bit-exact with ``nvfp4_recipe.reference.quantize`` (TransformerEngine's chain, docs/numerics.md); the
+rounding, Philox, Hadamard and tile helpers they use live in ``rounding``, ``philox``, ``hadamard`` and
+``tiles``.
 
 ``quantize_1d`` reads an (M, K) matrix once and writes, as asked, its rowwise copy (blocks of 16
 along K) and its columnwise copy (the quantization of x^T: blocks of 16 along M, optionally through
@@ -10,74 +12,120 @@ then the quantize pass. Seeds and SR offsets may be device scalars (CUDA-graph f
 here synchronises with the host.
 
 A program works on a 2D tile of x with Triton block operations: its rowwise blocks are a
-(rows, blocks, 16) tensor (``common.load_row_blocks``: two 16-byte loads per block joined in
+(rows, blocks, 16) tensor (``tiles.load_row_blocks``: two 16-byte loads per block joined in
 registers), its columnwise blocks a (columns, blocks, 16) tensor read separately with lanes along
-the contiguous axis (``common.load_col_blocks``: the second read of each line hits L1/L2), so a
+the contiguous axis (``tiles.load_col_blocks``: the second read of each line hits L1/L2), so a
 block's 16 elements sit in one thread for the amax, the RHT butterfly, the rounding and the nibble
 packing; Triton picks the lanes and converts layouts before the stores. Calls with a columnwise
 copy use ``_quantize_1d_kernel`` (one tile per program, optionally with a share of another
 operand's dequantize pass riding along: NVFP4Linear's X^T in the dY pass); rowwise-only calls use
 ``_quantize_rows_kernel`` (T tiles per program along K, the next tile loaded while the current
-one is quantized), which measured faster for them and slower for the pairs (docs/benchmarks.md).
+one is quantized), which measured faster for them and slower for the pairs .
 """
 
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
+from ..operand import NVFP4Operand
+from ..spec import Block, QuantSpec
 from . import amax as A
-from .common import (abs_max16_bits, bits16, bits_to_float, block_scale, encode16, load_col_blocks,
-                     load_row_blocks, outer_scales, prune_wide_tiles, quantize_block, rht16,
-                     round_to, scalar_arg)
-from .gemm import (check_operand, dequant_job, inner_values_supported, interpreting,
-                   load_codes_tile, store_inner_tile)
+from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_tile
+from .hadamard import rht16
+from .philox import bits16
+from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
+from .runtime import inner_values_supported, interpreting, prune_wide_tiles, scalar, scalar_arg
+from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
 
 IntOrTensor = Union[int, torch.Tensor]
 
 
-class CopySpec(NamedTuple):
-    """How one quantized copy is made (the kernel-level twin of ``recipe.OperandSpec`` for 1d).
+# ----------------------------------------------------------------------------------------------
+# Block quantization: (A, B, 16) fp32 blocks along the register axis -> packed codes or inner values
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def nibbles(v, bits, SR: tl.constexpr):
+    """(code magnitudes + offset, sign bits) of scaled values ``v``, uint32 tensors shaped like v.
 
-    sr: stochastic rounding (else RN). rht: 16-point RHT along the copy's blocks first.
-    per_token: one outer scale per row of the copy (else per tensor).
-    amax_scale: None (measure the amax of what is quantized) or the factor applied to the amax of
-        the untransformed input instead (amax estimation, spec item 8).
-    inner: write the copy's inner values (codes x block scales, fp16) instead of its codes and
-        scales, for a GEMM that uses it at once (``gemm.inner_mm``: no dequantize pass).
+    The sign is set for v < 0 (so -0.0 and NaN give +0), as ``formats.e2m1_encode_rn`` takes it.
     """
-
-    sr: bool = False
-    rht: bool = False
-    per_token: bool = False
-    amax_scale: Optional[float] = None
-    inner: bool = False
-
-
-class Quantized(NamedTuple):
-    """qdata uint8 (R, C/2); scale float8_e4m3fn (R, C/16) (2d: (R/16, C/16)); outer_scale fp32
-    () or (R,). The same layout as ``reference.NVFP4Data``."""
-
-    qdata: torch.Tensor
-    scale: torch.Tensor
-    outer_scale: torch.Tensor
+    if SR:
+        c = e2m1_sr(v, bits)
+    else:
+        c = e2m1_rn(v)
+    return c, (v < 0).to(tl.uint32)
 
 
-class Inner(NamedTuple):
-    """A copy written as inner values: values float16 (R, C), codes x block scales in order
-    (``gemm.dequantize_inner`` of the codes, exactly); outer_scale fp32 () or (R,)."""
+@triton.jit
+def finish_half(code, sign, bad, SR: tl.constexpr):
+    """A uint32 word of 8 packed nibbles from the base-16 sums of their codes (with offsets) and
+    of their sign bits; ``bad`` zeroes the magnitudes of blocks with a NaN encode scale."""
+    OFFSET: tl.constexpr = SR_OFFSET if SR else RN_OFFSET
+    return tl.where(bad, 0, code - ((OFFSET * 0x11111111) & 0xFFFFFFFF)) + sign * 8
 
-    values: torch.Tensor
-    outer_scale: torch.Tensor
+
+@triton.jit
+def finish_words(code, sign, bad, SR: tl.constexpr):
+    """:func:`finish_half` of (..., 2) sums (elements 0-7, 8-15) -> (...) uint64 words."""
+    lo, hi = tl.split(finish_half(code, sign, bad, SR))
+    return lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
+
+
+@triton.jit
+def encode16(v, bits, bad, mul16, SR: tl.constexpr):
+    """E2M1 codes of scaled block values ``v`` (A, B, 16), packed into (A, B) uint64 words.
+
+    bad: (A, B) true for blocks with a NaN encode scale (non-finite data): magnitudes 0.
+    bits: SR randoms shaped like v (SR only).
+    """
+    c, s = nibbles(v, bits, SR)
+    return finish_words(pack16(c, mul16), pack16(s, mul16), bad[:, :, None], SR)
+
+
+@triton.jit
+def inner16(v, bits, scale, mul16, SR: tl.constexpr):
+    """Inner values (E2M1 value x block scale) of scaled block values ``v`` (A, B, 16) whose block
+    scales are ``scale`` ((A, B) fp32 E4M3 values): (A, B, 16) float16, exact, what
+    ``gemm.dequantize_inner`` gives for the codes :func:`encode16` writes (NaN for a NaN scale).
+
+    A code (s e1 e0 m) becomes the E4M3 byte (s 0 0 e1 e0 m 0 0), worth value * 2**-6, which the
+    conversion to fp16 (hardware on sm89+) and one fp16 multiply by scale * 64 finish, exactly
+    (0 or 2**-10 ... 2688, at most 6 significant bits); the code offsets times 4 vanish mod 256.
+    """
+    mul4 = mul16 // 4
+    c, s = nibbles(v, bits, SR)
+    e4m3 = (c * mul4 + s * (mul4 * 32)).to(tl.uint8)
+    return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16) * (scale * 64.0).to(tl.float16)[:, :, None]
+
+
+@triton.jit
+def quantize_block(y, s_enc6, s_dec, seed, counter, mul16, SR: tl.constexpr, INNER: tl.constexpr):
+    """Quantize fp32 (A, B, 16) blocks along the last axis (spec items 2-6).
+
+    s_enc6, s_dec: S_enc * (1/6) and S_dec (:func:`outer_scales`), broadcasting against (A, B).
+    counter: (A, B) uint32 Philox counter of each block (SR only).
+    Returns ((A, B) uint64 words of the 16 packed codes, (A, B) int32 E4M3 scale codes), or with
+    INNER the (A, B, 16) float16 inner values of :func:`inner16` (and the scale codes).
+    """
+    scode, scale, enc = block_scale(abs_max16(y), s_enc6, s_dec)
+    v = y * enc[:, :, None]
+    bits = 0
+    if SR:
+        bits = bits16(seed, counter)
+    if INNER:
+        out = inner16(v, bits, scale, mul16, SR)
+    else:
+        out = encode16(v, bits, enc != enc, mul16, SR)
+    return out, scode
 
 
 def _configs(loop: bool = False):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
     per program along K (the prefetch loop of ``_quantize_rows_kernel``). The first config of each
-    list measured fastest at the benchmark shapes on the H200 (2026-11-21 sweep,
-    docs/benchmarks.md); it is the only one with NVFP4_AUTOTUNE=0 where it fits K
-    (``prune_wide_tiles``)."""
+    list measured fastest at the benchmark shapes on the H200; it is the only one with
+    NVFP4_AUTOTUNE=0 where it fits K (``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
     if loop:
@@ -92,7 +140,7 @@ def _configs(loop: bool = False):
 
 
 # ----------------------------------------------------------------------------------------------
-# 1D kernel
+# 1D kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _u32(x):
@@ -103,7 +151,7 @@ def _u32(x):
 def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.constexpr,
             first_col, first):
     """(S_enc * (1/6), S_dec) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
-    (X, 1) tensors, else of the tensor (scalars) (``common.outer_scales``); S_dec, the outer
+    (X, 1) tensors, else of the tensor (scalars) (``rounding.outer_scales``); S_dec, the outer
     scale, is written by the programs holding the first column of those rows (``first_col``),
     or by the ``first`` program when per tensor."""
     if PER_TOKEN:
@@ -179,7 +227,7 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
     With DEQ each program then takes every num_programs-th tile of another operand's dequantize
     pass (``gemm.load_codes_tile``, ``store_inner_tile``): memory traffic that overlaps the
     issue-bound arithmetic of the other programs on the SM, where a dequantize kernel on another
-    stream did not (docs/benchmarks.md). Loading the tile early, into registers or L2, measured
+    stream did not . Loading the tile early, into registers or L2, measured
     slower."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -218,7 +266,7 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_pt
                           OFF_PTR: tl.constexpr,
                           BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
     """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
-    than :func:`_quantize_1d_kernel`, 2026-11-20). T tiles of (16 BB, 16 BC) elements of x per
+    than :func:`_quantize_1d_kernel`). T tiles of (16 BB, 16 BC) elements of x per
     program, along K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it
     quantizes the current one (register double buffering: the loads of a warp overlap its
     arithmetic)."""
@@ -301,41 +349,40 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
 # ----------------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------------
-def _scalar(v: IntOrTensor, device) -> Tuple[Union[int, torch.Tensor], bool]:
-    """A seed/offset as a kernel argument: an int by value, a tensor as a device pointer."""
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or v.dtype.is_floating_point:
-            raise TypeError(f"seeds and offsets must be ints or one-element integer tensors, got {v}")
-        return v.to(device=device, dtype=torch.int64, non_blocking=True).reshape(()), True
-    return int(v), False
-
-
-def _outputs(rows: int, cols: int, spec: CopySpec, device) -> Union[Quantized, Inner]:
-    """The empty output of a copy of ``rows`` rows and ``cols`` columns (scale as uint8)."""
+def _empty(rows: int, cols: int, spec: QuantSpec, inner: bool, device) -> NVFP4Operand:
+    """The empty output of a copy of ``rows`` rows and ``cols`` columns (scale as uint8 until
+    the kernel has written it, :func:`_finished`)."""
     outer = torch.empty((rows,) if spec.per_token else (), dtype=torch.float32, device=device)
-    if spec.inner:
-        return Inner(torch.empty(rows, cols, dtype=torch.float16, device=device), outer)
-    return Quantized(torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
-                     torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer)
+    if inner:
+        return NVFP4Operand(None, None, outer, values=torch.empty(rows, cols, dtype=torch.float16,
+                                                                  device=device))
+    return NVFP4Operand(torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
+                        torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer)
 
 
-def _pointers(q: Union[Quantized, Inner]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _pointers(q: NVFP4Operand) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q_ptr, s_ptr) arguments of :func:`_quantize_store` for an output."""
-    if isinstance(q, Inner):
+    if q.values is not None:
         return q.values, q.values
     return q.qdata.view(torch.int64), q.scale
 
 
-def _finished(q: Union[Quantized, Inner]) -> Union[Quantized, Inner]:
-    return q._replace(scale=q.scale.view(torch.float8_e4m3fn)) if isinstance(q, Quantized) else q
+def _finished(q: NVFP4Operand) -> NVFP4Operand:
+    return q if q.scale is None else q._replace(scale=q.scale.view(torch.float8_e4m3fn))
 
 
-def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[CopySpec] = None,
-                *, seed: IntOrTensor = 0, row_offset: IntOrTensor = 0, col_offset: IntOrTensor = 0,
+def _check_1d(spec: Optional[QuantSpec]) -> None:
+    if spec is not None and spec.block is not Block.D1:
+        raise ValueError(f"quantize_1d makes 1d copies; got {spec.block.value} blocks (quantize_2d)")
+
+
+def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[QuantSpec] = None,
+                *, inner: Tuple[bool, bool] = (False, False), seed: IntOrTensor = 0,
+                row_offset: IntOrTensor = 0, col_offset: IntOrTensor = 0,
                 signs: Optional[torch.Tensor] = None,
                 amaxes: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-                dequantize: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                ) -> Tuple[Optional[Union[Quantized, Inner]], Optional[Union[Quantized, Inner]]]:
+                dequantize: Optional[Tuple[NVFP4Operand, torch.Tensor]] = None,
+                ) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand]]:
     """Rowwise and/or columnwise 1D NVFP4 quantization of a matrix from one read (plus the amax pass).
 
     Args:
@@ -344,53 +391,60 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
         row: the rowwise copy, blocks along K (``reference.quantize(x, ...)``), or None.
         col: the columnwise copy, the quantization of x^T with blocks along M
             (``reference.quantize(x.t(), ...)``), or None.
+        inner: per copy, write its inner values (codes x block scales, float16, exact) instead of
+            codes and scales, for a GEMM that uses the copy at once (no dequantize pass).
         seed, row_offset, col_offset: Philox stream of the SR copies (ints or device int64 scalars).
         signs: (16,) +-1 RHT signs (any device; needed when a copy has ``rht``).
         amaxes: the (row, column) fp32 amaxes as :func:`amax_pass` returns them for these specs, to
             skip the amax pass (benchmarks time the two passes apart).
-        dequantize: (qdata, scale, out): another 1d NVFP4 operand, packed codes (R, C/2) uint8 and
-            E4M3 block scales (R, C/16), whose inner values (``gemm.dequantize_inner``, exact) the
-            same launch writes into out ((R, C) float16/bfloat16/float32, unit stride along C).
-            Only with a columnwise copy: that pass is bound by instruction issue, so the
-            dequantization's memory traffic overlaps its arithmetic (docs/benchmarks.md).
+        dequantize: (op, out): another 1d operand with codes, whose inner values
+            (``dequantize.dequantize_inner``, exact) the same launch writes into out ((R, C)
+            float16/bfloat16/float32, unit stride along C). Only with a columnwise copy: that pass
+            is bound by instruction issue, so the dequantization's memory traffic overlaps its
+            arithmetic.
     Returns:
-        (rowwise, columnwise) :class:`Quantized` or None each: qdata (M, K/2) / (K, M/2) uint8,
-        scale (M, K/16) / (K, M/16) float8_e4m3fn, outer scale () or (M,) / (K,) fp32; a copy
-        whose spec has ``inner`` is an :class:`Inner` instead: values (M, K) / (K, M) float16.
+        (rowwise, columnwise) :class:`NVFP4Operand` or None each: qdata (M, K/2) / (K, M/2) uint8,
+        scale (M, K/16) / (K, M/16) float8_e4m3fn, outer scale () or (M,) / (K,) fp32; an
+        ``inner`` copy has values (M, K) / (K, M) float16 instead of codes and scales.
     Raises:
-        TypeError: unsupported dtype. ValueError: shape, an RHT without signs, an ``inner``
-            copy on a GPU without E4M3 conversion (before sm89), or ``dequantize`` without a
-            columnwise copy (or with tensors as :func:`gemm.check_operand` refuses, a wrongly
-            shaped out, another device).
+        TypeError: unsupported dtype. ValueError: shape, a 2d spec, an RHT without signs, an
+            ``inner`` copy on a GPU without E4M3 conversion (before sm89), or ``dequantize``
+            without a columnwise copy (or with tensors ``check_codes`` refuses, a wrongly shaped
+            out, another device).
     Source: spec items 1-10 of docs/numerics.md (reference.py).
     """
+    _check_1d(row)
+    _check_1d(col)
     A.check_matrix(x, rows16=col is not None, cols16=row is not None)
     if dequantize is not None and col is None:
         raise ValueError("dequantize runs in the pass that writes a columnwise copy; there is none")
     if row is not None and row.rht:
         # RHT along K = the columnwise path of x^T (a strided view; slower loads, same bits)
-        return (quantize_1d(x.t(), col=row, seed=seed, col_offset=row_offset, signs=signs)[1],
-                quantize_1d(x, col=col, seed=seed, col_offset=col_offset, signs=signs,
-                            dequantize=dequantize)[1] if col is not None else None)
+        r = quantize_1d(x.t(), col=row, inner=(False, inner[0]), seed=seed, col_offset=row_offset,
+                        signs=signs)[1]
+        c = None if col is None else quantize_1d(x, col=col, inner=(False, inner[1]), seed=seed,
+                                                 col_offset=col_offset, signs=signs,
+                                                 dequantize=dequantize)[1]
+        return r, c
     if (row and row.rht or col and col.rht) and signs is None:
         raise ValueError("an RHT copy needs the 16 RHT signs")
-    if (row and row.inner or col and col.inner) and not inner_values_supported(x.device):
+    if any(inner) and not inner_values_supported(x.device):
         raise ValueError(f"inner-value copies need E4M3 conversion (CUDA sm89+), not {x.device}")
     m, k = x.shape
     dev = x.device
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
     row_amax, col_amax = amaxes if amaxes is not None else amax_pass(x, row, col, signs_t)
-    r = _outputs(m, k, row, dev) if row else None
-    c = _outputs(k, m, col, dev) if col else None
-    seed_a, seed_p = _scalar(seed, dev)
-    roff_a, roff_p = _scalar(row_offset, dev)
-    coff_a, coff_p = _scalar(col_offset, dev)
+    r = _empty(m, k, row, inner[0], dev) if row else None
+    c = _empty(k, m, col, inner[1], dev) if col else None
+    seed_a, seed_p = scalar(seed, dev)
+    roff_a, roff_p = scalar(row_offset, dev)
+    coff_a, coff_p = scalar(col_offset, dev)
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
         grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"] * meta["T"]))
         _quantize_rows_kernel[grid](
             x, m, k, x.stride(0), x.stride(1), seed_a, 16, *_pointers(r), r.outer_scale, row_amax,
             float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
-            MULT=row.amax_scale is not None, INNER=row.inner, SEED_PTR=seed_p, OFF_PTR=roff_p)
+            MULT=row.amax_scale is not None, INNER=inner[0], SEED_PTR=seed_p, OFF_PTR=roff_p)
         return _finished(r), None
     dummy = x
     d_args, d_consts = _dequantize_job(dequantize, dummy)
@@ -402,9 +456,9 @@ def quantize_1d(x: torch.Tensor, row: Optional[CopySpec] = None, col: Optional[C
         *_pointers(c), c.outer_scale, col_amax, float(col.amax_scale or 1.0), coff_a, *d_args,
         DEQ=dequantize is not None, **d_consts,
         ROW=r is not None, ROW_SR=bool(row and row.sr), ROW_PER_TOKEN=bool(row and row.per_token),
-        ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and row.inner),
+        ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and inner[0]),
         COL_RHT=col.rht, COL_SR=col.sr, COL_PER_TOKEN=col.per_token,
-        COL_MULT=col.amax_scale is not None, COL_INNER=col.inner,
+        COL_MULT=col.amax_scale is not None, COL_INNER=inner[1],
         SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
     return (_finished(r) if r else None, _finished(c))
 
@@ -415,8 +469,10 @@ def _dequantize_job(dequantize, x: torch.Tensor):
     if dequantize is None:
         return (x, x, x, 0, 0, 0, 0, 0), dict(D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True,
                                                D_PTX=False)
-    qdata, scale, out = dequantize
-    op = check_operand("dequantize", qdata, scale, None, "1d")
+    op, out = dequantize
+    op = check_codes("dequantize", op)
+    if op.block is not Block.D1:
+        raise ValueError("dequantize: the riding operand must have 1d blocks")
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"dequantize: out must be float16, bfloat16 or float32, got {out.dtype}")
     if tuple(out.shape) != (op.rows, op.k) or (op.k > 1 and out.stride(1) != 1):
@@ -429,7 +485,7 @@ def _dequantize_job(dequantize, x: torch.Tensor):
     return args, {f"D_{k}": v for k, v in consts.items()}
 
 
-def amax_pass(x: torch.Tensor, row: Optional[CopySpec], col: Optional[CopySpec],
+def amax_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec],
               signs: Optional[torch.Tensor] = None):
     """The amaxes (before any amax_scale factor) that :func:`quantize_1d` needs for copies ``row``
     and ``col`` of x, from one pass over x: (row amax or None, column amax or None), fp32 device
@@ -447,25 +503,28 @@ def amax_pass(x: torch.Tensor, row: Optional[CopySpec], col: Optional[CopySpec],
     return A.amax(x, r_mode, c_mode, col_rht, signs if col_rht else None)
 
 
-def quantize_2d(w: torch.Tensor, *, sr: bool = False, seed: IntOrTensor = 0,
-                offset: IntOrTensor = 0, amax_scale: Optional[float] = None,
-                write_w: bool = True, write_wt: bool = True, amax: Optional[torch.Tensor] = None,
-                ) -> Tuple[Optional[Quantized], Optional[Quantized]]:
+def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed: IntOrTensor = 0,
+                offset: IntOrTensor = 0, write_w: bool = True, write_wt: bool = True,
+                amax: Optional[torch.Tensor] = None,
+                ) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand]]:
     """2D (16x16 block) NVFP4 quantization of a matrix and its exact transpose from one read.
 
     Args:
         w: (N, K) bfloat16/float16/float32, any strides, both dimensions multiples of 16.
-        sr, seed, offset: stochastic rounding and its Philox stream (index order of W, row-major).
-        amax_scale: None (measure amax(w)) or a factor applied to it (spec item 8).
+        spec: a Block.D2, per-tensor spec without RHT; its rounding (SR: Philox stream ``seed``,
+            ``offset`` in W's row-major order) and amax_scale (spec item 8) apply.
         write_w, write_wt: which of W and W^T to write.
         amax: max |w| (fp32 device scalar) to skip the amax pass.
     Returns:
-        (W, W^T) :class:`Quantized` or None: qdata (N, K/2) / (K, N/2), scale (N/16, K/16) /
-        (K/16, N/16), shared per-tensor outer scale; W^T equals ``reference.transpose_2d(W)``.
+        (W, W^T) :class:`NVFP4Operand` (Block.D2) or None: qdata (N, K/2) / (K, N/2), scale
+        (N/16, K/16) / (K/16, N/16), shared per-tensor outer scale; W^T equals
+        ``reference.transpose_2d(W)``.
     Raises:
-        TypeError: unsupported dtype. ValueError: shape.
+        TypeError: unsupported dtype. ValueError: shape, or a spec that is not 2d / has RHT.
     Source: spec items 1-6 with 2d blocks (reference.quantize(block="2d")).
     """
+    if spec.block is not Block.D2 or spec.rht:
+        raise ValueError(f"quantize_2d takes a 2d spec without RHT, got {spec}")
     A.check_matrix(w, rows16=True, cols16=True)
     n, k = w.shape
     dev = w.device
@@ -475,14 +534,15 @@ def quantize_2d(w: torch.Tensor, *, sr: bool = False, seed: IntOrTensor = 0,
     s = torch.empty(n // 16, k // 16, dtype=torch.uint8, device=dev) if write_w else None
     qt = torch.empty(k, n // 2, dtype=torch.uint8, device=dev) if write_wt else None
     st = torch.empty(k // 16, n // 16, dtype=torch.uint8, device=dev) if write_wt else None
-    seed_a, seed_p = _scalar(seed, dev)
-    off_a, off_p = _scalar(offset, dev)
+    seed_a, seed_p = scalar(seed, dev)
+    off_a, off_p = scalar(offset, dev)
     grid = lambda meta: (triton.cdiv(n, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
     _quantize_2d_kernel[grid](
-        w, n, k, w.stride(0), w.stride(1), amax_, float(amax_scale or 1.0), seed_a, off_a, 16,
+        w, n, k, w.stride(0), w.stride(1), amax_, float(spec.amax_scale or 1.0), seed_a, off_a, 16,
         q.view(torch.int64) if write_w else w, s if write_w else w,
         qt.view(torch.int64) if write_wt else w, st if write_wt else w, outer,
-        W=write_w, WT=write_wt, SR=sr, MULT=amax_scale is not None, SEED_PTR=seed_p, OFF_PTR=off_p)
-    wq = Quantized(q, s.view(torch.float8_e4m3fn), outer) if write_w else None
-    wtq = Quantized(qt, st.view(torch.float8_e4m3fn), outer) if write_wt else None
+        W=write_w, WT=write_wt, SR=spec.sr, MULT=spec.amax_scale is not None, SEED_PTR=seed_p,
+        OFF_PTR=off_p)
+    wq = NVFP4Operand(q, s.view(torch.float8_e4m3fn), outer, Block.D2) if write_w else None
+    wtq = NVFP4Operand(qt, st.view(torch.float8_e4m3fn), outer, Block.D2) if write_wt else None
     return wq, wtq

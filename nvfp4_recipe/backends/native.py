@@ -16,9 +16,12 @@ bias are then applied in fp32 and the result is rounded once, as in ``reference.
 
 import torch
 
-from .backends import Backend, register_backend, warn_once
-from .formats import BLOCK
-from .reference import NVFP4Data, apply_outer_scales
+from ..formats import BLOCK
+from ..operand import NVFP4Operand
+from ..reference import apply_outer_scales
+from ..spec import Block
+from . import register_backend, warn_once
+from .reference import ReferenceBackend
 
 
 def fp4_tensor_cores(device: torch.device) -> bool:
@@ -27,7 +30,7 @@ def fp4_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
 
 
-def swizzle_scales(scale: torch.Tensor, block: str) -> torch.Tensor:
+def swizzle_scales(scale: torch.Tensor, block: Block) -> torch.Tensor:
     """E4M3 block scales in cuBLAS's block-scaling layout, as ``torch._scaled_mm`` takes them.
 
     Args:
@@ -41,12 +44,12 @@ def swizzle_scales(scale: torch.Tensor, block: str) -> torch.Tensor:
     from torchao.prototype.mx_formats.utils import to_blocked
 
     s = scale.view(torch.uint8)
-    if block == "2d":
+    if Block(block) is Block.D2:
         s = s.repeat_interleave(BLOCK, dim=0)
     return to_blocked(s).view(torch.float8_e4m3fn)
 
 
-def _unaligned(a: NVFP4Data, b: NVFP4Data) -> str:
+def _unaligned(a: NVFP4Operand, b: NVFP4Operand) -> str:
     """Why cuBLAS cannot take these operands ('' if it can): 16-byte aligned rows of A, B and D."""
     k = 2 * a.qdata.shape[-1]
     if k % 32:
@@ -56,13 +59,13 @@ def _unaligned(a: NVFP4Data, b: NVFP4Data) -> str:
     return ""
 
 
-def native_scaled_mm(a: NVFP4Data, b: NVFP4Data, a_block: str = "1d", b_block: str = "1d",
-                     bias=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def native_scaled_mm(a: NVFP4Operand, b: NVFP4Operand, bias=None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """D (M, N) = (s_a * s_b) * (A_inner @ B_inner^T) + bias on FP4 tensor cores.
 
     Args:
-        a: A (M, K) with blocks along K, outer scale () or (M,). b: B (N, K), outer () or (N,).
-        a_block, b_block: "1d" or "2d" block scales. bias: optional (N,). out_dtype: result dtype.
+        a: A (M, K) with codes and blocks along K (1d or 2d block scales), outer scale () or (M,).
+        b: B (N, K), likewise, outer () or (N,). bias: optional (N,). out_dtype: result dtype.
     Raises:
         ValueError: K mismatch, or operands not on an sm100+ GPU.
     """
@@ -72,24 +75,24 @@ def native_scaled_mm(a: NVFP4Data, b: NVFP4Data, a_block: str = "1d", b_block: s
         raise ValueError(f"the native NVFP4 GEMM needs an sm100+ GPU, got {a.qdata.device}")
     fp4 = torch.float4_e2m1fn_x2
     acc = torch._scaled_mm(a.qdata.view(fp4), b.qdata.view(fp4).t(),
-                           swizzle_scales(a.scale, a_block), swizzle_scales(b.scale, b_block),
+                           swizzle_scales(a.scale, a.block), swizzle_scales(b.scale, b.block),
                            out_dtype=torch.float32)
-    return apply_outer_scales(acc, a, b, bias, out_dtype)
+    return apply_outer_scales(acc, a.outer_scale, b.outer_scale, bias, out_dtype)
 
 
 @register_backend
-class NativeBackend(Backend):
-    """sm100+ FP4 tensor cores for the GEMM; quantization inherited (reference implementation)."""
+class NativeBackend(ReferenceBackend):
+    """sm100+ FP4 tensor cores for the GEMM; quantization is the reference implementation."""
 
     name = "native"
 
-    def scaled_mm(self, a: NVFP4Data, b: NVFP4Data, a_block: str = "1d", b_block: str = "1d",
-                  bias=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """As :meth:`Backend.scaled_mm`; shapes cuBLAS cannot take fall back to the reference GEMM
+    def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias=None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """As :meth:`Backend.mm`; shapes cuBLAS cannot take fall back to the reference GEMM
         (logged once)."""
         why = _unaligned(a, b)
         if why:
             warn_once(f"native NVFP4 GEMM: {why} (cuBLAS needs 16-byte aligned rows); using the "
                       "reference GEMM for such shapes (logged once)", key="native-unaligned")
-            return super().scaled_mm(a, b, a_block, b_block, bias, out_dtype)
-        return native_scaled_mm(a, b, a_block, b_block, bias, out_dtype)
+            return super().mm(a, b, bias=bias, out_dtype=out_dtype)
+        return native_scaled_mm(a, b, bias, out_dtype)

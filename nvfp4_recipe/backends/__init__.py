@@ -1,0 +1,161 @@
+"""Backends: the implementations of NVFP4 quantization and the NVFP4 GEMM for a device.
+
+- ``reference`` (:mod:`.reference`): plain PyTorch, any device; the spec.
+- ``triton`` (:mod:`.triton`): fused Triton kernels (``kernels/``) for CUDA GPUs before Blackwell
+  and, in tests, the Triton interpreter on CPU.
+- ``native`` (:mod:`.native`): sm100+ FP4 tensor cores through ``torch._scaled_mm``.
+
+A backend is the narrow set of primitives of :class:`Backend`, typed with :class:`QuantSpec` and
+:class:`NVFP4Operand`; what a layer does with them (which operand is quantized how, which GEMM
+runs on what) is ``linear.py``'s. :func:`get_backend` resolves "auto" and logs a fallback once.
+"""
+
+import abc
+import importlib
+import logging
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ..operand import NVFP4Operand
+from ..spec import QuantSpec
+
+log = logging.getLogger("nvfp4_recipe")
+
+IntOrTensor = Union[int, torch.Tensor]
+NAMES = ("reference", "triton", "native")
+
+
+class Backend(abc.ABC):
+    """The primitives an NVFP4 layer is built from. Every backend gives the reference's bits for
+    quantization and the reference's GEMM up to fp32 accumulation order.
+
+    Operand convention: an operand is an :class:`NVFP4Operand` of a (rows, K) matrix with its blocks
+    along K, so every GEMM is ``A @ B^T``. Seeds and offsets may be ints or device int64 scalars
+    (nothing synchronises with the host).
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
+                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None) -> NVFP4Operand:
+        """x (..., M, K) quantized along K under ``spec`` (``reference.quantize``)."""
+
+    @abc.abstractmethod
+    def quantize_pair(self, x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec], *,
+                      seed: IntOrTensor = 0, row_offset: IntOrTensor = 0,
+                      col_offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
+                      transient: Tuple[bool, bool] = (False, False),
+                      prepare: Optional[NVFP4Operand] = None,
+                      ) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[NVFP4Operand]]:
+        """The rowwise copy of x (M, K) under ``row`` and the columnwise copy (the quantization of
+        x^T, (K, M), blocks along M) under ``col``, each None to skip, from one read of x where the
+        backend fuses it.
+
+        ``transient[i]``: copy i only feeds the :meth:`mm` that follows, so it may come back as
+        inner values (``NVFP4Operand.values``) instead of codes. ``prepare``: a saved operand that
+        a later :meth:`mm` takes as B; the backend may prepare it in the same pass (the Triton
+        backend dequantizes it there). Returns (rowwise, columnwise, prepared ``prepare`` or None).
+        """
+
+    @abc.abstractmethod
+    def prepare_weight(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
+                       ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """W (N, K) quantized under ``spec``, ready to be fprop's B in :meth:`mm`, and with
+        ``need_t`` W^T (K, N) for dgrad, as codes (kept for backward): for 2d blocks the exact
+        transpose of W's quantization, for 1d blocks W quantized along N."""
+
+    @abc.abstractmethod
+    def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
+        """A saved operand made ready to be B in :meth:`mm` (the Triton backend: its inner values)."""
+
+    @abc.abstractmethod
+    def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """D (M, N) = (s_a * s_b) * (A_inner @ B_inner^T) + bias for A (M, K), B (N, K)."""
+
+
+def quantize_each(backend: Backend, x: torch.Tensor, row: Optional[QuantSpec],
+                  col: Optional[QuantSpec], seed: IntOrTensor, row_offset: IntOrTensor,
+                  col_offset: IntOrTensor, signs: Optional[torch.Tensor]):
+    """The rowwise and columnwise copies of :meth:`Backend.quantize_pair` as two
+    ``backend.quantize`` calls (on x and x.t()), each None to skip."""
+    r = None if row is None else backend.quantize(x, row, seed=seed, offset=row_offset, signs=signs)
+    c = None if col is None else backend.quantize(x.t(), col, seed=seed, offset=col_offset,
+                                                  signs=signs)
+    return r, c
+
+
+_CLASSES = {}
+_INSTANCES = {}
+_WARNED = set()
+
+
+def register_backend(cls) -> type:
+    """Class decorator: make a :class:`Backend` subclass selectable by its ``name``."""
+    _CLASSES[cls.name] = cls
+    return cls
+
+
+def warn_once(msg: str, key: Optional[str] = None) -> None:
+    """Log a fallback warning once per ``key`` (default: the message) for the whole package."""
+    key = msg if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(msg)
+
+
+def _load(name: str) -> None:
+    """Import the module that registers backend ``name`` (Triton may be missing off Linux)."""
+    if name not in _CLASSES:
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ImportError as e:  # reported by _available as "not built"
+            log.debug("cannot import the %s backend: %s", name, e)
+
+
+def _available(name: str, device: torch.device) -> Optional[str]:
+    """None if backend ``name`` can run on ``device``, else the reason it cannot."""
+    _load(name)
+    if name == "reference":
+        return None
+    if name not in _CLASSES:
+        return f"the {name} backend is not built into this installation"
+    if device.type != "cuda":
+        if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return f"the {name} backend needs a CUDA device, got {device}"
+    if name == "native" and torch.cuda.get_device_capability(device) < (10, 0):
+        return "the native backend needs an sm100+ (Blackwell) GPU"
+    return None
+
+
+def get_backend(name: str, device: torch.device) -> Backend:
+    """The backend for ``name`` ("auto", "reference", "triton", "native") on ``device``.
+
+    "auto" picks native on sm100+, triton on other CUDA GPUs and reference elsewhere, falling back
+    to the next one (with a warning logged once) when a backend is unavailable.
+
+    Raises:
+        ValueError: an unknown name, or a backend named explicitly that cannot run on ``device``.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        order = ["native", "triton", "reference"] if device.type == "cuda" else ["reference"]
+        for i, candidate in enumerate(order):
+            why = _available(candidate, device)
+            if why is None:
+                break
+            warn_once(f"NVFP4 backend {candidate!r} unavailable ({why}); falling back to {order[i + 1]!r}")
+        name = candidate
+    elif name not in NAMES:
+        raise ValueError(f"unknown NVFP4 backend {name!r}; expected 'auto' or one of {NAMES}")
+    else:
+        why = _available(name, device)
+        if why is not None:
+            raise ValueError(f"NVFP4 backend {name!r} cannot run here: {why}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _CLASSES[name]()
+    return _INSTANCES[name]

@@ -1,0 +1,163 @@
+"""The Triton backend: NVFP4 quantization with the fused kernels of ``kernels/`` and the Triton GEMM.
+
+Gives the reference backend's bits for every :class:`QuantSpec`. Runs on CUDA GPUs and, for tests,
+under ``TRITON_INTERPRET=1`` on the CPU. Nothing here synchronises with the host: amaxes stay on the
+device and SR seeds/offsets may be device tensors.
+
+Work layout (``kernels/quantize.py``): a 1D operand is an amax pass plus one quantize pass that reads
+the (M, K) matrix once and writes its rowwise and/or columnwise copies; a 2D operand (weights) is an
+amax pass plus one pass writing W and its exact transpose. What this backend adds to the primitives:
+
+- Transient copies (a GEMM uses them at once: X for fprop, dY for dgrad, dY^T for wgrad) are written
+  as fp16 inner values (codes x block scales), so their GEMM skips a dequantize pass
+  (GPUs with E4M3 conversion, sm89+, and the interpreter).
+- ``quantize_pair(..., prepare=b)`` dequantizes b (wgrad's X^T) in the same launch as the pair:
+  its memory traffic overlaps that pass's arithmetic.
+- While a CUDA graph is captured, :meth:`prepare_weight` and :meth:`prepare` run on a side stream
+  (``streams.SideStream``) beside the activations' passes; the next :meth:`mm` joins it.
+"""
+
+import threading
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import reference as R
+from ..kernels import gemm as G
+from ..kernels.dequantize import dequantize_inner
+from ..kernels.quantize import quantize_1d, quantize_2d
+from ..kernels.runtime import inner_values_supported
+from ..operand import NVFP4Operand
+from ..spec import Block, QuantSpec
+from ..streams import SideStream
+from . import Backend, IntOrTensor, quantize_each, register_backend, warn_once
+from .reference import ReferenceBackend
+
+_REFERENCE = ReferenceBackend()
+
+
+def _is_transposed_view(x: torch.Tensor) -> bool:
+    """True for a 2-D non-contiguous x whose transpose is contiguous (x = base.t())."""
+    return x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous()
+
+
+def _one_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec]) -> bool:
+    """Whether ``quantize_1d`` makes the copies in one pass: a 2-D x, 1d blocks, no RHT along the
+    rowwise copy (None: no such copy)."""
+    return (x.dim() == 2 and (row is None or (row.block is Block.D1 and not row.rht))
+            and (col is None or col.block is Block.D1))
+
+
+@register_backend
+class TritonBackend(Backend):
+    """Fused Triton quantization kernels and the Triton NVFP4 GEMM (sm80/sm90; the interpreter)."""
+
+    name = "triton"
+
+    def __init__(self):
+        self._forks = threading.local()  # side-stream work the next mm waits for
+
+    def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
+                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None) -> NVFP4Operand:
+        """A 2-D ``x`` that is the transpose view of a contiguous matrix (``base.t()``) is read
+        through the columnwise path of ``base`` (coalesced); other layouts are read as they are.
+        Raises: TypeError / ValueError as ``reference.check_input``."""
+        R.check_input(x, spec)
+        if spec.rht and signs is None:
+            raise ValueError("an RHT operand needs rht_signs")
+        if spec.block is Block.D2:
+            return self._quantize_2d(x, spec, seed, offset, signs)
+        if _is_transposed_view(x):
+            return quantize_1d(x.t(), col=spec, seed=seed, col_offset=offset, signs=signs)[1]
+        lead, (m, k) = x.shape[:-2], x.shape[-2:]
+        q = quantize_1d(x.reshape(-1, k), row=spec, seed=seed, row_offset=offset, signs=signs)[0]
+        outer = q.outer_scale.reshape(*lead, m) if spec.per_token else q.outer_scale
+        return q._replace(qdata=q.qdata.reshape(*lead, m, k // 2),
+                          scale=q.scale.reshape(*lead, m, k // 16), outer_scale=outer)
+
+    def quantize_pair(self, x, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
+                      transient=(False, False), prepare=None):
+        """One read of x for both copies where ``quantize_1d`` takes them (2-D x, 1d blocks, no RHT
+        on the rowwise copy); a transposed view x (``base.t()``) is read through base, its rows
+        being base's columns (coalesced). Other cases make two :meth:`quantize` calls."""
+        if (row is None and col is None) or not _one_pass(x, row, col):
+            r, c = quantize_each(self, x, row, col, seed, row_offset, col_offset, signs)
+            return r, c, None if prepare is None else self._dequantized(prepare)
+        for t, spec in ((x, row), (x.t(), col)):
+            if spec is not None:
+                R.check_input(t, spec)
+        inner = transient if inner_values_supported(x.device) else (False, False)
+        specs, offsets = [row, col], [row_offset, col_offset]
+        if _is_transposed_view(x):  # x^T's rowwise copy is x's columnwise one
+            x, specs, offsets, inner = x.t(), specs[::-1], offsets[::-1], inner[::-1]
+            transposed = True
+        else:
+            transposed = False
+        rider = None
+        if prepare is not None and specs[1] is not None and inner_values_supported(x.device):
+            out = torch.empty(prepare.rows, prepare.k, dtype=torch.float16, device=x.device)
+            rider = (prepare, out)
+        r, c = quantize_1d(x, specs[0], specs[1], inner=inner, seed=seed, row_offset=offsets[0],
+                           col_offset=offsets[1], signs=signs, dequantize=rider)
+        if transposed:
+            r, c = c, r
+        if prepare is None:
+            return r, c, None
+        if rider is None:  # no columnwise copy in that launch to ride on
+            return r, c, self._dequantized(prepare)
+        return r, c, prepare._replace(qdata=None, scale=None, values=rider[1])
+
+    def prepare_weight(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
+                       ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """2d: W and W^T from one read; 1d: the pair kernel. While a CUDA graph is captured, on the
+        side stream, W also dequantized there; in eager mode :meth:`mm` dequantizes W after the
+        activations' copies exist (a lower peak of memory)."""
+        with SideStream(w.device) as side:
+            if spec.block is Block.D2 and not spec.rht:
+                R.check_input(w, spec)
+                wq, wtq = quantize_2d(w, spec, write_wt=need_t)
+            elif spec.block is Block.D1 and not spec.rht:
+                wq, wtq, _ = self.quantize_pair(w, spec, spec if need_t else None)
+            else:
+                wq, wtq = _REFERENCE.prepare_weight(w, spec, need_t=need_t)
+            if side.forked:
+                wq = self._dequantized(wq)
+        self._fork(side, wq, wtq)
+        return wq, wtq
+
+    def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
+        """While a CUDA graph is captured: b's inner values, made on the side stream; otherwise b
+        (:meth:`mm` dequantizes it right before the product)."""
+        with SideStream(b.device) as side:
+            if side.forked:
+                b = self._dequantized(b)
+        self._fork(side, b)
+        return b
+
+    def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``kernels.gemm.scaled_mm``, after the side-stream work of :meth:`prepare_weight` and
+        :meth:`prepare` (if any)."""
+        forks: List = getattr(self._forks, "pending", [])
+        for side, outputs in forks:
+            side.join(*outputs)
+        forks.clear()
+        return G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype)
+
+    def _fork(self, side: SideStream, *outputs) -> None:
+        if side.forked:
+            self._forks.__dict__.setdefault("pending", []).append((side, outputs))
+
+    def _dequantized(self, b: NVFP4Operand) -> NVFP4Operand:
+        """b with its fp16 inner values in place of its codes (where the GEMM takes them)."""
+        if b.values is not None or not inner_values_supported(b.device):
+            return b
+        return b._replace(qdata=None, scale=None, values=dequantize_inner(b, torch.float16))
+
+    def _quantize_2d(self, x, spec, seed, offset, signs) -> NVFP4Operand:
+        if spec.rht:  # RHT along K with 16x16 blocks: no recipe asks for it; the reference does it
+            warn_once("triton backend: 2d blocks with RHT run on the reference implementation")
+            return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs)
+        if _is_transposed_view(x) and not spec.sr:  # quantize_2d(x) is the exact transpose of x.t()'s
+            return quantize_2d(x.t(), spec, write_w=False)[1]
+        return quantize_2d(x, spec, seed=seed, offset=offset, write_wt=False)[0]

@@ -1,0 +1,52 @@
+"""NVFP4Operand: the one quantized-operand type of the package.
+
+A leaf module: the reference, the kernels, the backends, the layer and ``NVFP4Tensor`` all pass
+quantized data around as this NamedTuple. Layout (design.md numerics items 1-4): an operand is a
+(rows, K) matrix with its blocks of 16 along K, the GEMM reduction dimension, so fprop, dgrad and
+wgrad are all ``A @ B^T`` of two such operands and nothing quantized is ever transposed in memory.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .spec import Block
+
+
+class NVFP4Operand(NamedTuple):
+    """Quantized data of one operand (..., rows, K).
+
+    Fields:
+        qdata: uint8 (..., rows, K // 2), two E2M1 codes per byte, the even element in the low
+            nibble (viewable as ``torch.float4_e2m1fn_x2``); None when only ``values`` were written.
+        scale: float8_e4m3fn block decode scales, (..., rows, K // 16) for Block.D1 or
+            (rows // 16, K // 16) for Block.D2; None with qdata.
+        outer_scale: float32 outer decode scale S_dec = 1 / min(2688 / amax, FLT_MAX): () per
+            tensor or (..., rows) per token.
+        block: the scale layout, Block.D1 or Block.D2.
+        values: the inner values (codes x block scales) as float16 (rows, K), exact, when a
+            quantize kernel wrote them for a GEMM that uses them at once (no dequantize pass);
+            else None.
+    """
+
+    qdata: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+    outer_scale: torch.Tensor
+    block: Block = Block.D1
+    values: Optional[torch.Tensor] = None
+
+    @property
+    def rows(self) -> int:
+        return (self.values if self.qdata is None else self.qdata).shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.values.shape[-1] if self.qdata is None else 2 * self.qdata.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.outer_scale.device
+
+    @property
+    def has_codes(self) -> bool:
+        return self.qdata is not None

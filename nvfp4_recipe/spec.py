@@ -1,0 +1,103 @@
+"""How one GEMM operand is quantized: a frozen, typed spec, and the five operand roles of a linear.
+
+A leaf module (no package imports): the recipe builds specs, the layer hands them to a backend, the
+backend to the kernels, unchanged. The enums take their user-facing strings as values, so
+``Block("2d")`` parses what ``NVFP4Tensor.from_hp(block="2d")`` accepts. Sources: NVIDIA's NVFP4
+recipe (arXiv 2509.25149, section 4); the per-operand quantizers of TransformerEngine
+(``NVFP4Quantizer``) and float8_experimental's ``GemmInputRole``.
+"""
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+class Block(str, enum.Enum):
+    """Block shape of the E4M3 scales: 1x16 along K, or 16x16 tiles (2-D weights)."""
+
+    D1 = "1d"
+    D2 = "2d"
+
+
+class Scaling(str, enum.Enum):
+    """Outer scale: one per tensor, or one per row of the operand as it enters its GEMM."""
+
+    PER_TENSOR = "per_tensor"
+    PER_TOKEN = "per_token"
+
+
+class Rounding(str, enum.Enum):
+    """E2M1 rounding: round to nearest even, or stochastic (8 random bits per element)."""
+
+    RN = "rn"
+    SR = "sr"
+
+
+class GemmRole(enum.Enum):
+    """The five quantized operands of one training linear (design.md, "The recipe")::
+
+        fprop  Y  = X W^T      X_FPROP (A)    W_FPROP (B; dgrad takes its exact transpose)
+        dgrad  dX = dY W       DY_DGRAD (A)
+        wgrad  dW = dY^T X     DY_WGRAD (A)   X_WGRAD (B)   (blocks along tokens)
+    """
+
+    X_FPROP = "x_fprop"
+    W_FPROP = "w_fprop"
+    DY_DGRAD = "dy_dgrad"
+    DY_WGRAD = "dy_wgrad"
+    X_WGRAD = "x_wgrad"
+
+    @property
+    def is_gradient(self) -> bool:
+        return self in (GemmRole.DY_DGRAD, GemmRole.DY_WGRAD)
+
+    @property
+    def is_wgrad(self) -> bool:
+        return self in (GemmRole.DY_WGRAD, GemmRole.X_WGRAD)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The quantization of one operand (docs/numerics.md).
+
+    Fields:
+        block: Block.D1 (blocks of 16 along K) or Block.D2 (16x16 tiles; per-tensor only).
+        scaling: Scaling.PER_TENSOR or Scaling.PER_TOKEN.
+        rounding: Rounding.RN or Rounding.SR.
+        rht: quantize the 16-point random Hadamard transform of the operand along K.
+        amax_scale: None (measure the amax of what is quantized) or the factor applied to the
+            amax of the untransformed operand instead (amax estimation, spec item 8).
+    Strings are accepted for the enum fields and converted.
+
+    Raises:
+        ValueError: an unknown enum value, 2d blocks with per-token scaling, or an amax_scale
+            that is not a finite positive number.
+    """
+
+    block: Block = Block.D1
+    scaling: Scaling = Scaling.PER_TENSOR
+    rounding: Rounding = Rounding.RN
+    rht: bool = False
+    amax_scale: Optional[float] = None
+
+    def __post_init__(self):
+        for name, kind in (("block", Block), ("scaling", Scaling), ("rounding", Rounding)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                allowed = tuple(m.value for m in kind)
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+        if self.block is Block.D2 and self.scaling is Scaling.PER_TOKEN:
+            raise ValueError("2d blocks take a per-tensor outer scale; per_token scaling needs 1d blocks")
+        if self.amax_scale is not None and not (math.isfinite(self.amax_scale) and self.amax_scale > 0):
+            raise ValueError(f"amax_scale must be None or a finite positive number, got {self.amax_scale!r}")
+
+    @property
+    def sr(self) -> bool:
+        return self.rounding is Rounding.SR
+
+    @property
+    def per_token(self) -> bool:
+        return self.scaling is Scaling.PER_TOKEN
