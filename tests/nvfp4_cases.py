@@ -1,0 +1,86 @@
+"""Shared test inputs and assertions: random operands over many magnitudes, bit-exact comparison of
+two quantizations, the recipe's operand pairs, short test ids."""
+
+import torch
+
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.operand import NVFP4Operand
+from nvfp4_recipe.recipe import NVFP4Recipe
+from nvfp4_recipe.spec import GemmRole, QuantSpec
+
+
+def rand(shape, dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random values over many magnitudes (per row and per element), with exact zeros,
+    a zero 16x16 tile and values that hit E2M1 grid points exactly: E4M3 subnormal and zero block
+    scales occur (rows span 2**+-12)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x = x * torch.exp2(torch.randint(-12, 12, shape[:-1] + (1,), generator=g).float())
+    x = x * torch.exp2(torch.randint(-3, 4, shape, generator=g).float())
+    x[torch.rand(shape, generator=g) < 0.02] = 0.0
+    x[..., :16, 16:32] = 0.0
+    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0])
+    x.view(-1, 16)[3, :8] = grid  # a block whose values are exactly on the E2M1 grid
+    return x.to(dtype).to(device)
+
+
+def signs_for(seed=3):
+    return R.random_signs(torch.Generator().manual_seed(seed))
+
+
+def assert_same(out: NVFP4Operand, ref: NVFP4Operand):
+    """Bit-exact equality of two quantizations with codes (a NaN outer scale equals a NaN)."""
+    assert out.qdata.dtype == torch.uint8 and out.scale.dtype == torch.float8_e4m3fn
+    assert out.outer_scale.dtype == torch.float32 and out.block == ref.block
+    assert out.qdata.shape == ref.qdata.shape and out.scale.shape == ref.scale.shape
+    assert out.outer_scale.shape == ref.outer_scale.shape
+    q, rq = out.qdata.cpu(), ref.qdata.cpu()
+    assert torch.equal(q, rq), (q != rq).nonzero()[:5]
+    assert torch.equal(out.scale.view(torch.uint8).cpu(), ref.scale.view(torch.uint8).cpu())
+    o, ro = out.outer_scale.cpu(), ref.outer_scale.cpu()
+    nan = ro.isnan()
+    assert torch.equal(o.isnan(), nan) and torch.equal(o[~nan], ro[~nan])
+
+
+def assert_inner_equals(out: NVFP4Operand, ref: NVFP4Operand):
+    """An operand written as inner values equals the dequantized codes of ``ref``, bit for bit."""
+    assert out.qdata is None and out.values.dtype == torch.float16
+    want = R.dequantize_inner(ref._replace(qdata=ref.qdata.cpu(), scale=ref.scale.cpu()))
+    got = out.values.float().cpu()
+    assert torch.equal(got, want), (got != want).nonzero()[:5]
+    assert torch.equal(out.outer_scale.cpu(), ref.outer_scale.cpu())
+
+
+def spec(block="1d", scaling="per_tensor", rounding="rn", rht=False, amax_scale=None):
+    return QuantSpec(block, scaling, rounding, rht, amax_scale)
+
+
+def recipe_pairs():
+    """(name, rowwise spec, columnwise spec) of the operand pairs a linear quantizes in one pass."""
+    r = NVFP4Recipe()
+    est = NVFP4Recipe(amax_estimation=(2.0, 1.0))
+    tok = NVFP4Recipe(scaling="per_token", stochastic_rounding=False)
+    return [("x", r.spec(GemmRole.X_FPROP), r.spec(GemmRole.X_WGRAD)),
+            ("dy", r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD)),
+            ("x_estimated", est.spec(GemmRole.X_FPROP), est.spec(GemmRole.X_WGRAD)),
+            ("per_token_rht", tok.spec(GemmRole.DY_DGRAD), tok.spec(GemmRole.DY_WGRAD))]
+
+
+PAIR_IDS = [p[0] for p in recipe_pairs()]
+
+
+def triton_backend(device):
+    return get_backend("triton", torch.device(device))
+
+
+def idfn(v):
+    """Short test ids without spaces (GPU runs split tests by id)."""
+    if isinstance(v, QuantSpec):
+        return "-".join(str(getattr(f, "value", f)) for f in
+                        (v.block, v.scaling, v.rounding, int(v.rht), v.amax_scale or ""))
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, tuple):
+        return "x".join(map(str, v))
+    return str(v)

@@ -1,0 +1,78 @@
+"""The amax kernel (``kernels/amax.py``): global, per-row, per-column and the RHT'd columnwise amaxes
+equal the reference's, including the Inf cases of the folded last butterfly stage."""
+
+import pytest
+import torch
+
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.kernels import amax as A
+from nvfp4_recipe.spec import Scaling
+
+from nvfp4_cases import idfn, rand, signs_for
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=idfn)
+@pytest.mark.parametrize("rht", [False, True])
+def test_amax_kernel(rht, dtype):
+    """9 tiles of 32 x 32 for 4 programs under the interpreter: the persistent grid's programs
+    loop over several tiles and fold their maxima together. The RHT amax is of the transform
+    rounded to the input dtype (spec item 7)."""
+    x = rand((80, 96), dtype, seed=5)
+    signs = signs_for()
+    r, c = A.amax(x, A.PER_INDEX, A.PER_INDEX, rht, signs if rht else None)
+    xt = R.rht(x.t(), signs) if rht else x.t().float()
+    assert torch.equal(r, R.amax(x, Scaling.PER_TOKEN))
+    assert torch.equal(c, R.amax(xt, Scaling.PER_TOKEN))
+    r, c = A.amax(x, A.TENSOR, A.TENSOR, rht, signs if rht else None)
+    assert torch.equal(r, R.amax(x, Scaling.PER_TENSOR)) and torch.equal(c, R.amax(xt, Scaling.PER_TENSOR))
+
+
+def check_rht_amax_nonfinite(device):
+    """The RHT amax folds its last butterfly stage into |a| + |b|, which gives Inf where the
+    transform has Inf - Inf = NaN: such programs recompute exactly, so the amaxes match the
+    reference's (NaN where two Infs meet in the last stage, Inf for one Inf) in every column."""
+    signs = signs_for()
+    for rows in ((1, 9), (1,), (2, 3)):  # (1, 9): the last stage pairs elements j and j + 8
+        x = rand((80, 96), torch.float32, seed=12)
+        for r in rows:
+            x[16 + r, 40] = float("inf")
+        xt = R.rht(x.t(), signs)
+        ref_c = R.amax(xt, Scaling.PER_TOKEN)
+        assert ref_c.isfinite().sum() == 95  # one non-finite column
+        x, signs_d = x.to(device), signs.to(device)
+        _, c = A.amax(x, A.NONE, A.PER_INDEX, True, signs_d)
+        c = c.cpu()
+        assert torch.equal(c.isnan(), ref_c.isnan()) and torch.equal(c.isinf(), ref_c.isinf())
+        assert torch.equal(c[ref_c.isfinite()], ref_c[ref_c.isfinite()])
+        _, c = A.amax(x, A.TENSOR, A.TENSOR, True, signs_d)
+        ref = R.amax(xt, Scaling.PER_TENSOR)
+        assert c.isnan().item() == ref.isnan() and c.isinf().item() == ref.isinf()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_rht_amax_nonfinite():
+    check_rht_amax_nonfinite("cpu")
+
+
+def test_rejects_bad_input():
+    with pytest.raises(TypeError, match="bfloat16"):
+        A.amax(torch.ones(16, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="RHT signs"):
+        A.amax(torch.ones(16, 16), A.NONE, A.TENSOR, col_rht=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        A.amax(torch.ones(24, 16), A.NONE, A.TENSOR, True, signs_for())
+
+
+@pytest.mark.cuda
+def test_cuda_rht_amax_nonfinite(device):
+    check_rht_amax_nonfinite(device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=idfn)
+def test_cuda_amax(device, dtype):
+    x = rand((16400, 4112), dtype, device=device, seed=3)
+    signs = signs_for().to(device)
+    r, c = A.amax(x, A.PER_INDEX, A.TENSOR, True, signs)
+    assert torch.equal(r.cpu(), R.amax(x.cpu(), Scaling.PER_TOKEN))
+    assert torch.equal(c.cpu(), R.amax(R.rht(x.t().cpu(), signs.cpu()), Scaling.PER_TENSOR))
