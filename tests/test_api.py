@@ -2,6 +2,7 @@
 
 import copy
 import logging
+import math
 import zlib
 
 import pytest
@@ -10,6 +11,7 @@ import torchao
 from torch import nn
 
 import nvfp4_recipe as nr
+from nvfp4_recipe import reference as R
 from nvfp4_recipe.api import skip_reasons
 
 
@@ -137,8 +139,35 @@ def test_summary_and_tensor_stats():
     x = torch.randn(64, 64)
     stats = nr.tensor_stats(x, recipe, "x_fprop")
     assert 10 < stats["sqnr_db"] < 30  # about 4 bits of signal for Gaussian data
-    assert 0 <= stats["flushed_to_zero"] < 0.2 and stats["saturated_blocks"] == 0
+    assert 0 < stats["flushed_to_zero"] < 0.2 and stats["saturated"] == 0
+    assert stats["zero_scale_blocks"] == 0
     assert sum(stats["scale_histogram"].values()) == 64 * 4
     assert stats["amax"] == x.abs().amax().item()
     rht = nr.tensor_stats(x, recipe, "x_wgrad")
     assert rht["amax"] != stats["amax"]  # measured after the RHT
+
+
+def test_tensor_stats_at_extreme_scales():
+    """SQNR is summed in float64: the same finite value at 1e-23 and 1e19 as at 1 (fp32 sums
+    underflow to 0 or overflow to inf there); one 1e30 outlier shows as the flushed rest."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    base = nr.tensor_stats(x)["sqnr_db"]
+    for scale in (1e-23, 1e19):
+        stats = nr.tensor_stats(x * scale)
+        assert math.isclose(stats["sqnr_db"], base, rel_tol=1e-3), (scale, stats)
+    outlier = x.clone()
+    outlier[5, 7] = 1e30
+    stats = nr.tensor_stats(outlier)
+    assert math.isfinite(stats["sqnr_db"]) and stats["sqnr_db"] > 100  # the outlier dominates
+    assert stats["flushed_to_zero"] > 0.99 and stats["saturated"] == 0
+
+
+def test_tensor_stats_reports_saturation_under_an_underestimated_amax():
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    stats = nr.tensor_stats(x, {"amax_": x.abs().amax() / 4})  # block scales clamp at 448
+    deq = R.dequantize(R.quantize(x, amax_=x.abs().amax() / 4))
+    clipped = (x.abs() > 1.125 * deq.abs()) & (deq.abs() == deq.abs().amax())
+    assert stats["saturated"] == clipped.double().mean().item() > 0.05
+    assert stats["sqnr_db"] < nr.tensor_stats(x)["sqnr_db"]
