@@ -15,7 +15,7 @@ from torchao.utils import TorchAOBaseTensor
 from . import reference as R
 from .backends import get_backend
 from .formats import BLOCK
-from .recipe import OperandSpec
+from .recipe import NVFP4Recipe, OperandSpec, parse_signs
 from .reference import NVFP4Data
 
 aten = torch.ops.aten
@@ -92,13 +92,11 @@ class NVFP4Tensor(TorchAOBaseTensor):
             TypeError: unsupported dtype. ValueError: bad option or shape (names the problem),
             ``rht_signs`` not 16 values +-1 or given with ``rht=False``.
         """
-        from .recipe import NVFP4Recipe, parse_signs
-
         x = x.detach()
         R.check_input(x, block, scaling, rounding)
-        signs = None
         if rht_signs is not None and not rht:
             raise ValueError("from_hp: rht_signs given, but rht=False")
+        signs = None
         if rht:
             signs = (NVFP4Recipe().signs() if rht_signs is None else
                      torch.tensor(parse_signs(rht_signs, "from_hp: rht_signs"), dtype=torch.float32))
