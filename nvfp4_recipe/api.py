@@ -1,8 +1,11 @@
 """``quantize_(model, NVFP4Recipe())``: swap nn.Linear layers for NVFP4Linear, in place.
 
-The swap is registered with torchao's ``quantize_`` (so ``torchao.quantization.quantize_`` takes an
-NVFP4Recipe too); :func:`quantize_` here adds the recipe's layer filter (fully qualified name
-patterns, first/last layers, feature counts not multiples of 16) and logs every skipped layer.
+:func:`quantize_` here applies the recipe's layer filter (fully qualified name patterns, first/last
+layers, feature counts not multiples of 16), logs every skipped layer by name and gives each layer
+its own SR stream, derived from its name. The swap is also registered with torchao's
+``quantize_``, whose handler is called with a module and the recipe only (torchao 0.18: no name,
+no model): through that entry point a recipe that needs the layer names (``keep_bf16``,
+``keep_first_last``, ``stochastic_rounding``) raises a ValueError that points here.
 """
 
 import fnmatch
@@ -10,10 +13,11 @@ import logging
 import zlib
 from typing import Callable, Dict, List, Optional
 
+import torch
 from torch import nn
-from torchao.quantization import quantize_ as _torchao_quantize_
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from .backends import get_backend
 from .formats import BLOCK
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
@@ -31,39 +35,93 @@ def _layer_seed(fqn: str) -> int:
 def _shape_problem(module: nn.Linear) -> Optional[str]:
     for name in ("in_features", "out_features"):
         n = getattr(module, name)
-        if n % BLOCK:
-            return f"{name}={n} is not a multiple of {BLOCK}"
+        if n <= 0 or n % BLOCK:
+            return f"{name}={n} is not a positive multiple of {BLOCK}"
     return None
 
 
+def _check_backend(recipe: NVFP4Recipe, device: torch.device) -> None:
+    """Raises ValueError when ``recipe.backend`` cannot run on ``device`` (a meta device is only
+    checked at the first forward, once the model is materialized)."""
+    if device.type != "meta":
+        get_backend(recipe.backend, device)
+
+
+def _check_same_recipe(fqn: str, layer: NVFP4Linear, recipe: NVFP4Recipe) -> None:
+    if layer.recipe != recipe:
+        raise ValueError(
+            f"quantize_: layer {fqn or '(the model)'!r} is already an NVFP4Linear under another recipe "
+            f"({layer.recipe}); to re-configure, call nvfp4_recipe.dequantize_(model) first, then "
+            f"quantize_(model, new_recipe) (this restarts the SR streams)")
+
+
+# Fields whose effect needs each layer's name or the whole model, which torchao's quantize_ does
+# not pass to its handler; the message says why.
+_NEEDS_NAMES = {
+    "keep_bf16": "its patterns match layer names",
+    "keep_first_last": "it needs the order of the model's linear layers",
+    "stochastic_rounding": "each layer's SR stream is derived from the layer's name",
+}
+
+
 @register_quantize_module_handler(NVFP4Recipe)
-def _swap_linear(module: nn.Module, recipe: NVFP4Recipe) -> nn.Module:
-    """torchao handler: an nn.Linear becomes an NVFP4Linear; an unsuitable one is kept and logged."""
-    if not isinstance(module, nn.Linear) or isinstance(module, NVFP4Linear):
+def _torchao_handler(module: nn.Module, recipe: NVFP4Recipe) -> nn.Module:
+    """torchao's ``quantize_`` handler: an nn.Linear becomes an NVFP4Linear (layer seed 0).
+
+    Raises:
+        ValueError: a recipe field that needs layer names is set (use :func:`quantize_`); the
+            module is an NVFP4Linear under another recipe; the backend cannot run on its device.
+    """
+    for name, why in _NEEDS_NAMES.items():
+        if getattr(recipe, name):
+            raise ValueError(
+                f"torchao.quantization.quantize_ cannot apply NVFP4Recipe.{name}={getattr(recipe, name)!r}: "
+                f"{why}, and torchao passes its handler neither the name nor the model; call "
+                f"nvfp4_recipe.quantize_(model, recipe) instead (it takes the same arguments)")
+    if isinstance(module, NVFP4Linear):
+        _check_same_recipe("", module, recipe)
+        return module
+    if not isinstance(module, nn.Linear):
         return module
     problem = _shape_problem(module)
     if problem is not None:
-        log.info("nvfp4: keeping %s in high precision: %s", module, problem)
+        log.info("nvfp4: keeping an nn.Linear(%d, %d) in high precision: %s (torchao's quantize_ "
+                 "passes no layer names; nvfp4_recipe.quantize_ logs them)",
+                 module.in_features, module.out_features, problem)
         return module
+    _check_backend(recipe, module.weight.device)
     return NVFP4Linear.from_linear(module, recipe)
 
 
+def _linears(model: nn.Module) -> Dict[str, nn.Linear]:
+    """fqn -> module of every nn.Linear (NVFP4Linear included) in ``model``, in module order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 def skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
-    """For each nn.Linear that ``quantize_`` would leave in high precision: fqn -> the reason."""
-    linears: List[str] = [n for n, m in model.named_modules()
-                          if isinstance(m, nn.Linear) and not isinstance(m, NVFP4Linear)]
-    edge = set(linears[:recipe.keep_first_last] + linears[len(linears) - recipe.keep_first_last:]
-               if recipe.keep_first_last else [])
-    modules = dict(model.named_modules())
+    """For each nn.Linear that ``quantize_`` would leave in high precision: fqn -> the reason.
+
+    The first/last ``recipe.keep_first_last`` layers are counted among all linear layers, NVFP4Linear
+    ones included, so a second ``quantize_`` with the same recipe selects the same layers.
+    """
+    linears = _linears(model)
+    names: List[str] = list(linears)
+    n = recipe.keep_first_last
+    edge = set(names[:n] + names[len(names) - n:]) if n else set()
+    out_projs = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     reasons = {}
-    for fqn in linears:
+    for fqn, module in linears.items():
+        if isinstance(module, NVFP4Linear):
+            continue
         pattern = next((p for p in recipe.keep_bf16 if fnmatch.fnmatchcase(fqn, p)), None)
         if pattern is not None:
             reasons[fqn] = f"matches keep_bf16 pattern {pattern!r}"
         elif fqn in edge:
-            reasons[fqn] = f"among the first/last {recipe.keep_first_last} linear layers (keep_first_last)"
+            reasons[fqn] = f"among the first/last {n} linear layers (keep_first_last)"
+        elif id(module) in out_projs:
+            reasons[fqn] = "out_proj of an nn.MultiheadAttention, which uses its weight, not its forward"
         else:
-            problem = _shape_problem(modules[fqn])
+            problem = _shape_problem(module)
             if problem is not None:
                 reasons[fqn] = problem
     return reasons
@@ -71,42 +129,59 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
 
 def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
               filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Swap the model's eligible nn.Linear layers for NVFP4Linear in place; returns ``model``.
+    """Swap the model's eligible nn.Linear layers for NVFP4Linear in place; returns the model.
 
-    Eligible: an nn.Linear whose in/out features are multiples of 16, whose fully qualified name
-    matches none of ``recipe.keep_bf16`` and that is not among the first/last
+    Eligible: an nn.Linear whose in/out features are positive multiples of 16, whose fully
+    qualified name matches none of ``recipe.keep_bf16`` and that is not among the first/last
     ``recipe.keep_first_last`` linear layers, and (if given) for which ``filter_fn(module, fqn)``
-    is True. Each skipped layer is logged at INFO with its reason (see :func:`skip_reasons`). The
-    weight and bias Parameters are kept (an optimizer built before the swap still updates them);
-    each layer gets its own SR stream from ``recipe.seed`` and its name.
+    is True. Each skipped layer is logged at INFO with its name and reason (see
+    :func:`skip_reasons`). The weight and bias Parameters are kept (an optimizer built before the
+    swap still updates them); each layer gets its own SR stream from ``recipe.seed`` and its name.
+
+    ``model`` may itself be an nn.Linear: it cannot be swapped in place, so the NVFP4Linear is
+    returned; use the return value (``layer = quantize_(layer)``), as with torchao's ``quantize_``.
+
+    Calling ``quantize_`` again with the same recipe changes no layer already converted (their SR
+    state included); with another recipe it raises: ``dequantize_`` the model first.
 
     Raises:
         TypeError: ``recipe`` is not an NVFP4Recipe.
+        ValueError: the model has NVFP4Linear layers under another recipe; ``recipe.backend``
+            cannot run on the device of a layer to convert. Nothing is swapped then.
     """
     recipe = NVFP4Recipe() if recipe is None else recipe
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"quantize_ takes an NVFP4Recipe, got {type(recipe).__name__}")
+    linears = _linears(model)
+    for fqn, module in linears.items():
+        if isinstance(module, NVFP4Linear):
+            _check_same_recipe(fqn, module, recipe)
     skipped = skip_reasons(model, recipe)
     for fqn, why in skipped.items():
-        log.info("nvfp4: keeping %s in high precision: %s", fqn, why)
-
-    def eligible(module: nn.Module, fqn: str) -> bool:
-        return (isinstance(module, nn.Linear) and not isinstance(module, NVFP4Linear)
-                and fqn not in skipped and (filter_fn is None or filter_fn(module, fqn)))
-
-    _torchao_quantize_(model, recipe, filter_fn=eligible)
-    for fqn, module in model.named_modules():
-        if isinstance(module, NVFP4Linear):
-            module.sr_seed.fill_((recipe.seed + _layer_seed(fqn)) & 0xFFFFFFFF)
+        log.info("nvfp4: keeping %s in high precision: %s", fqn or "(the model)", why)
+    targets = {fqn: m for fqn, m in linears.items()
+               if not isinstance(m, NVFP4Linear) and fqn not in skipped
+               and (filter_fn is None or filter_fn(m, fqn))}
+    for device in {m.weight.device for m in targets.values()}:
+        _check_backend(recipe, device)
+    swapped = {id(m): NVFP4Linear.from_linear(m, recipe, _layer_seed(fqn)) for fqn, m in targets.items()}
+    if id(model) in swapped:
+        return swapped[id(model)]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in swapped:  # every place a shared module appears gets the same layer
+                setattr(parent, name, swapped[id(child)])
     return model
 
 
 def dequantize_(model: nn.Module) -> nn.Module:
-    """Swap every NVFP4Linear back to a plain nn.Linear (same Parameters), in place."""
+    """Swap every NVFP4Linear back to a plain nn.Linear (same Parameters), in place; returns the
+    model (the new nn.Linear when ``model`` is itself an NVFP4Linear)."""
+    if isinstance(model, NVFP4Linear):
+        return model.to_linear()
     for name, child in list(model.named_children()):
         if isinstance(child, NVFP4Linear):
             setattr(model, name, child.to_linear())
         else:
             dequantize_(child)
     return model
-

@@ -7,6 +7,7 @@ table and writes ``results.json`` and ``loss_curves.png`` to ``--out``.
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import sys
@@ -105,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads of torch (torch.set_num_threads; default: torch's choice)")
     run.add_argument("--out", metavar="DIR",
-                     help="output directory (default: runs/<timestamp>/)")
+                     help="output directory (default: runs/<timestamp>/); one that already holds a "
+                          "results.json is refused unless --overwrite is given")
+    run.add_argument("--overwrite", action="store_true",
+                     help="write into an --out that already holds results of an earlier run, "
+                          "replacing them")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return parser
 
@@ -119,6 +124,8 @@ def _config_from_args(args):
                         eval_every=args.eval_every, eval_tokens=args.eval_tokens, seed=args.seed,
                         backend=args.backend)
     cfg.validate()
+    if args.max_mb is not None and not 0 <= args.max_mb < math.inf:
+        raise ValueError(f"--max-mb must be a finite number >= 0, got {args.max_mb}")
     max_mb = PRESETS[args.preset][1]["max_mb"] if args.max_mb is None else (args.max_mb or None)
     return cfg, None if max_mb is None else int(max_mb * 1e6)
 
@@ -190,15 +197,38 @@ def _write_outputs(out: str, meta: dict, results, final: bool) -> Optional[str]:
     return path
 
 
+def _check_out(out: str, overwrite: bool) -> None:
+    """Create the output directory and make sure a file can be written there.
+
+    Raises:
+        ValueError: ``out`` is a file, cannot be created or written, or holds an earlier run's
+            results.json and ``overwrite`` is False.
+    """
+    import tempfile
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    if os.path.exists(os.path.join(out, "results.json")) and not overwrite:
+        raise ValueError(f"--out {out}: already holds results.json of an earlier run; choose another "
+                         f"--out or pass --overwrite to replace it")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there: {e.strerror or e}") from None
+
+
 def _prepare(args):
-    """Validate everything and load the data: (cfg, corpus, batches, device, dtype, precision label).
+    """Validate everything, cheapest first, then load the data, so that a bad argument fails
+    before any slow work: (cfg, corpus, batches, device, dtype, precision label, out directory).
 
     Raises:
         ValueError, FileNotFoundError: a bad argument (the message is the one-line error).
     """
     import torch
+    from .backends import get_backend
     from .train import data as D
-    from .train.recipes import check_recipes
+    from .train.recipes import check_recipes, make_recipe
     check_recipes(args.recipes)
     cfg, max_bytes = _config_from_args(args)
     if not 0 < args.val_fraction < 1:
@@ -213,10 +243,15 @@ def _prepare(args):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = _device(args.device)
+    recipes = [make_recipe(name, cfg.seed, cfg.backend) for name in args.recipes]  # validates them
+    if any(r is not None for r in recipes):
+        get_backend(cfg.backend, device)  # raises for a backend that cannot run on the device
     dtype, precision = _precision(args.precision, device)
+    out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    _check_out(out, args.overwrite)
     corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, cfg.seed, max_bytes)
     batches = D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
-    return cfg, corpus, batches, device, dtype, precision
+    return cfg, corpus, batches, device, dtype, precision, out
 
 
 def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str) -> dict:
@@ -255,14 +290,12 @@ def train_command(args, argv: Sequence[str]) -> int:
     """
     start = time.perf_counter()
     try:
-        cfg, corpus, batches, device, dtype, precision = _prepare(args)
+        cfg, corpus, batches, device, dtype, precision, out = _prepare(args)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     from .train.loop import train_run
     from .train.report import format_table
     meta = _meta(args, argv, cfg, corpus, device, precision)
-    out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out, exist_ok=True)
     _print_header(cfg, corpus, meta, args.recipes)
     results, status = [], 0
     try:

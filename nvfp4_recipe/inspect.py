@@ -7,11 +7,16 @@ import torch
 from torch import nn
 
 from . import reference as R
-from .formats import E2M1_MAX, E4M3_MAX
+from .formats import E2M1_GRID, unpack_nibbles
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe, OperandSpec
 
 __all__ = ["summary", "tensor_stats"]
+
+E2M1_MAX_CODE = len(E2M1_GRID) - 1  # the magnitude code of 6
+# A block scale rounded to E4M3 (3 mantissa bits) may sit up to 2**-4 below block_amax / 6, which
+# clips the block's largest values by as much; saturation is counted beyond that.
+_SATURATION_MARGIN = 1 / 8
 
 
 def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
@@ -42,45 +47,55 @@ def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
 
 def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, Dict, None] = None,
                  role: str = "x_fprop") -> Dict[str, object]:
-    """What NVFP4 quantization does to ``x``.
+    """What NVFP4 quantization does to ``x``, read from the quantized result itself (the codes,
+    block scales and dequantized values of ``reference.quantize`` / ``reference.dequantize``).
 
     Args:
-        x: (..., K) bf16/fp16/fp32 tensor, K a multiple of 16.
+        x: (..., K) bf16/fp16/fp32 tensor with at least one element, K a multiple of 16.
         spec: an NVFP4Recipe (the operand ``role`` of its recipe table is used, e.g. "w_fprop",
             "dy_dgrad"), or a dict of ``reference.quantize`` keyword arguments (block, scaling,
-            rounding, seed, offset, rht_signs), or None for 1d per-tensor RN.
+            rounding, seed, offset, rht_signs, amax_), or None for 1d per-tensor RN.
     Returns:
-        dict with ``sqnr_db`` (10 log10(|x|^2 / |x - deq(q(x))|^2), in the RHT domain when the RHT is
-        on), ``flushed_to_zero`` (fraction of nonzero inputs quantized to 0), ``saturated_blocks``
-        (fraction of blocks whose unclamped scale falls outside E4M3's [2**-6, 448]: values clipped at
-        +-6 (e.g. under amax estimation) or tiny blocks flushed towards zero),
-        ``scale_histogram`` (counts of block-scale exponents, {exponent: count}), ``amax`` and
-        ``outer_scale`` (float or tensor).
+        dict with
+        ``sqnr_db``: 10 log10(|x|^2 / |x - deq(q(x))|^2), summed in float64 (finite for any finite
+            fp32 input; inf only when the quantization is exact), in the RHT domain when the RHT is
+            on;
+        ``flushed_to_zero``: fraction of the nonzero inputs that dequantize to 0 (small values in a
+            block with a large amax, or whole blocks whose E4M3 scale is too small);
+        ``saturated``: fraction of the elements clipped by the E2M1 range: quantized to the largest
+            code (6) of a nonzero block scale while |x| exceeds the dequantized value by more than
+            1/8 (beyond what the E4M3 rounding of the block scale can cause), e.g. under amax
+            estimation;
+        ``zero_scale_blocks``: fraction of the blocks whose E4M3 block scale is 0;
+        ``scale_histogram``: counts of the exponents of the nonzero block scales, {exponent: count};
+        ``amax`` and ``outer_scale`` (float or tensor).
     Raises:
-        TypeError, ValueError: as ``reference.quantize``.
+        TypeError, ValueError: as ``reference.quantize``; ValueError for an empty ``x``.
     """
+    if x.numel() == 0:
+        raise ValueError("tensor_stats: x has no elements")
     kwargs = _quantize_kwargs(spec, role)
+    block = kwargs.get("block", "1d")
     ref = R.rht(x, kwargs["rht_signs"]) if kwargs.get("rht_signs") is not None else x.float()
     data = R.quantize(x, **kwargs)
-    deq = R.dequantize(data, kwargs.get("block", "1d"))
-    err = (ref - deq).pow(2).sum()
-    sig = ref.pow(2).sum()
-    sqnr = 10 * math.log10(sig.item() / err.item()) if err > 0 else math.inf
+    deq = R.dequantize(data, block)
+    ref64, deq64 = ref.double(), deq.double()
+    err = (ref64 - deq64).square().sum().item()
+    sig = ref64.square().sum().item()
+    sqnr = 10 * math.log10(sig / err) if err > 0 else math.inf
     nonzero = ref != 0
     flushed = ((deq == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1)
+    # a block whose scale is 0 puts its values on the largest code too, but it is flushed, not clipped
+    at_max = ((unpack_nibbles(data.qdata) & 0x7) == E2M1_MAX_CODE) & (deq != 0)
+    saturated = (at_max & (ref64.abs() > deq64.abs() * (1 + _SATURATION_MARGIN))).double().mean().item()
     scale = data.scale.float()
-    blocks = R._block_view(ref, kwargs.get("block", "1d")).abs().amax(-1)
-    s_div = torch.where(data.outer_scale == 0, 1.0, data.outer_scale)
-    if data.outer_scale.dim():
-        s_div = s_div[..., None]
-    raw = (blocks / E2M1_MAX) / s_div
-    # beyond fp32 rounding: the amax block itself lands on 448 by construction
-    saturated = ((raw > E4M3_MAX * (1 + 2**-16)) | ((raw < 2.0**-6) & (blocks > 0))).float().mean().item()
-    exps, counts = torch.unique(torch.floor(torch.log2(scale)).to(torch.int64), return_counts=True)
+    exps, counts = torch.unique(torch.floor(torch.log2(scale[scale > 0])).to(torch.int64),
+                                return_counts=True)
     return {
         "sqnr_db": sqnr,
         "flushed_to_zero": flushed,
-        "saturated_blocks": saturated,
+        "saturated": saturated,
+        "zero_scale_blocks": (scale == 0).double().mean().item(),
         "scale_histogram": dict(zip(exps.tolist(), counts.tolist())),
         "amax": _item(R.amax(ref, kwargs.get("scaling", "per_tensor"))),
         "outer_scale": _item(data.outer_scale),

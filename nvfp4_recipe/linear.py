@@ -41,27 +41,35 @@ def _backend_name(name: str, device: torch.device) -> str:
     return get_backend(name, device).name
 
 
+def _fprop(x2, weight, bias, signs, sr_seed, recipe: NVFP4Recipe, backend: str, out_dtype,
+           need_wt: bool, need_xt: bool):
+    """``ops.linear_fprop`` of the 2-D input x2 (M, K) under ``recipe``: (Y, W^T or None, X^T or
+    None), with the copies for dgrad (W^T) and wgrad (X^T) only where asked for."""
+    return ops.linear_fprop(x2, weight, recipe.operand("w_fprop"), recipe.operand("x_fprop"),
+                            recipe.operand("x_wgrad") if need_xt else None, need_wt, bias,
+                            out_dtype, sr_seed, signs, backend)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
-    """y = x @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (see the module docstring)."""
+    """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (see the module
+    docstring). Returns a fresh tensor, never a view, so that in-place ops on it work."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype):
-        x2 = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_dw and x2.shape[0] % BLOCK:
-            raise ValueError(f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: the number of "
-                             f"tokens (product of the input's leading dims) must be a multiple of "
-                             f"{BLOCK}, got {x2.shape[0]}")
-        w_spec = recipe.operand("w_fprop")
-        y, wtq, xtq = ops.linear_fprop(x2, weight, w_spec, recipe.operand("x_fprop"),
-                                       recipe.operand("x_wgrad") if need_dw else None, need_dx,
-                                       bias, out_dtype, sr_seed, signs, backend)
-        ctx.recipe, ctx.backend, ctx.w_block = recipe, backend, w_spec.block
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        if need_dw and x.shape[0] % BLOCK:
+            raise ValueError(f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the "
+                             f"number of tokens (product of the input's leading dims) must be a "
+                             f"multiple of {BLOCK}, got {x.shape[0]} (inference under torch.no_grad "
+                             f"takes any number)")
+        y, wtq, xtq = _fprop(x, weight, bias, signs, sr_seed, recipe, backend, out_dtype, need_dx,
+                             need_dw)
+        ctx.recipe, ctx.backend = recipe, backend
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(*(wtq or (None,) * 3), *(xtq or (None,) * 3), signs, sr_seed, sr_step)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -71,17 +79,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
         sr_step.add_(1)  # a mutation in backward: torch.compile and CUDA graphs keep it
         recipe, backend = ctx.recipe, ctx.backend
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy2 = dy.reshape(-1, dy.shape[-1])
         row, col = recipe.operand("dy_dgrad"), recipe.operand("dy_wgrad")
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = ops.linear_grads(dy2, wtq if need_dx else None, xtq if need_dw else None,
-                                      ctx.w_block, row, col, ctx.x_dtype, ctx.w_dtype, seed,
-                                      SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"], signs, backend)
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
+            dx, dw = ops.linear_grads(dy, wtq if need_dx else None, xtq if need_dw else None,
+                                      recipe.operand("w_fprop").block, row, col, ctx.x_dtype,
+                                      ctx.w_dtype, seed, SR_OFFSETS["dy_dgrad"],
+                                      SR_OFFSETS["dy_wgrad"], signs, backend)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
+            db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -89,43 +95,82 @@ class NVFP4Linear(nn.Linear):
     """nn.Linear trained with all three GEMMs in NVFP4 under an :class:`NVFP4Recipe`.
 
     Shapes as nn.Linear: input (..., in_features) -> output (..., out_features); in_features and
-    out_features must be multiples of 16, and in training the number of tokens (the product of the
-    input's leading dims) too. Parameters are the usual high-precision ``weight`` and ``bias``.
+    out_features must be positive multiples of 16. Parameters are the usual high-precision
+    ``weight`` and ``bias``.
 
-    Buffers (saved in the state dict next to nn.Linear's keys):
+    Training (grad mode on and the input, weight or bias requiring grad) runs fprop and saves the
+    quantized W^T and X^T for dgrad and wgrad; the number of tokens (the product of the input's
+    leading dims) must then be a multiple of 16, since wgrad blocks run along tokens. Otherwise
+    (``torch.no_grad``, ``torch.inference_mode``, frozen weights and input) the layer runs fprop
+    only: any number of tokens, no X^T or W^T quantized, nothing saved. An input with no elements
+    gives nn.Linear's empty result (and zero weight gradient).
+
+    Buffers (saved in the state dict next to nn.Linear's keys), all set from ``recipe`` and
+    ``layer_seed``, which the layer keeps (:meth:`reset_recipe_buffers`):
         rht_signs: (16,) float32 +-1 signs of the RHT on the wgrad operands.
-        sr_seed: int64 scalar, this layer's Philox key (low 32 bits).
+        sr_seed: int64 scalar, this layer's Philox key (low 32 bits): ``(recipe.seed +
+            layer_seed) mod 2**32``.
         sr_step: int64 scalar, advanced by every backward; a backward's SR stream is keyed by
             ``sr_seed + (sr_step << 32)`` with the value before the advance.
+    ``reset_parameters()`` resets them too, and moving the layer off the meta device
+    (``to_empty``) sets them, so a model built on the meta device and materialized gets the same
+    buffers as one built on a real device; a loaded state dict overrides them.
 
     Raises:
-        ValueError: a feature count not a multiple of 16; a token count not a multiple of 16 in
-            training; a backend that cannot run on the weight's device.
+        ValueError: a feature count not a positive multiple of 16; a token count not a multiple of
+            16 in training; a backend that cannot run on the weight's device.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0):
         for name, n in (("in_features", in_features), ("out_features", out_features)):
-            if n % BLOCK:
-                raise ValueError(f"NVFP4Linear needs {name} to be a multiple of {BLOCK}, got {n}")
+            if n <= 0 or n % BLOCK:
+                raise ValueError(f"NVFP4Linear needs {name} to be a positive multiple of {BLOCK}, got {n}")
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = recipe if recipe is not None else NVFP4Recipe()
-        self._init_buffers(layer_seed, device)
+        self.layer_seed = layer_seed
+        self._register_recipe_buffers(device)
 
-    def _init_buffers(self, layer_seed: int, device) -> None:
-        self.register_buffer("rht_signs", self.recipe.signs().to(device))
-        seed = (self.recipe.seed + layer_seed) & 0xFFFFFFFF
-        self.register_buffer("sr_seed", torch.tensor(seed, dtype=torch.int64, device=device))
-        self.register_buffer("sr_step", torch.zeros((), dtype=torch.int64, device=device))
+    def _register_recipe_buffers(self, device) -> None:
+        self.register_buffer("rht_signs", torch.empty(BLOCK, dtype=torch.float32, device=device))
+        self.register_buffer("sr_seed", torch.empty((), dtype=torch.int64, device=device))
+        self.register_buffer("sr_step", torch.empty((), dtype=torch.int64, device=device))
+        self.reset_recipe_buffers()
+
+    @torch.no_grad()
+    def reset_recipe_buffers(self) -> None:
+        """Set ``rht_signs``, ``sr_seed`` and ``sr_step`` (in place) to the values the recipe and
+        the layer seed give a new layer (see the class docstring)."""
+        self.rht_signs.copy_(self.recipe.signs())
+        self.sr_seed.fill_((self.recipe.seed + self.layer_seed) & 0xFFFFFFFF)
+        self.sr_step.zero_()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization of ``weight`` and ``bias``, and :meth:`reset_recipe_buffers`."""
+        super().reset_parameters()
+        if "sr_step" in self._buffers:  # nn.Linear.__init__ calls this before the buffers exist
+            self.reset_recipe_buffers()
+
+    def _apply(self, fn, recurse=True):
+        # to_empty (materializing a meta-device model) gives the buffers uninitialized memory
+        was_meta = self.sr_step.is_meta
+        super()._apply(fn, recurse)
+        if was_meta and not self.sr_step.is_meta:
+            self.reset_recipe_buffers()
+        return self
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Optional[NVFP4Recipe] = None,
                     layer_seed: int = 0) -> "NVFP4Linear":
-        """An NVFP4Linear that shares ``linear``'s weight and bias Parameters (optimizers keep them)."""
+        """An NVFP4Linear that shares ``linear``'s weight and bias Parameters (optimizers keep them).
+
+        Raises:
+            ValueError: a feature count not a positive multiple of 16.
+        """
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
                   recipe=recipe, layer_seed=layer_seed)
         new.weight, new.bias = linear.weight, linear.bias
-        new._init_buffers(layer_seed, linear.weight.device)
+        new._register_recipe_buffers(linear.weight.device)
         new.train(linear.training)
         return new
 
@@ -141,9 +186,18 @@ class NVFP4Linear(nn.Linear):
             raise ValueError(f"NVFP4Linear expects input (..., {self.in_features}), got {tuple(x.shape)}")
         backend = _backend_name(self.recipe.backend, self.weight.device)
         out_dtype = _out_dtype(x)
+        x2 = x.reshape(-1, self.in_features)
         with torch.autocast(x.device.type, enabled=False):
-            return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.rht_signs, self.sr_seed,
-                                        self.sr_step, self.recipe, backend, out_dtype)
+            if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
+                y = nn.functional.linear(x2.to(self.weight.dtype), self.weight, self.bias).to(out_dtype)
+            elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (x, self.weight, self.bias)):
+                y = _NVFP4LinearFn.apply(x2, self.weight, self.bias, self.rht_signs, self.sr_seed,
+                                         self.sr_step, self.recipe, backend, out_dtype)
+            else:
+                y = _fprop(x2, self.weight, self.bias, self.rht_signs, self.sr_seed, self.recipe,
+                           backend, out_dtype, need_wt=False, need_xt=False)[0]
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

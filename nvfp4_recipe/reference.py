@@ -102,7 +102,7 @@ DEFAULT_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 def random_signs(generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """A random +-1 float32 vector of 16 for the RHT (CPU; move it where it is used)."""
-    bits = torch.randint(0, 2, (BLOCK,), generator=generator)
+    bits = torch.randint(0, 2, (BLOCK,), generator=generator, device="cpu")
     return (1 - 2 * bits).to(torch.float32)
 
 

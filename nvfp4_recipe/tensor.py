@@ -15,7 +15,7 @@ from torchao.utils import TorchAOBaseTensor
 from . import reference as R
 from .backends import get_backend
 from .formats import BLOCK
-from .recipe import OperandSpec
+from .recipe import NVFP4Recipe, OperandSpec, parse_signs
 from .reference import NVFP4Data
 
 aten = torch.ops.aten
@@ -72,28 +72,40 @@ class NVFP4Tensor(TorchAOBaseTensor):
                 backend: str = "auto") -> "NVFP4Tensor":
         """Quantize a high-precision tensor along its last dimension.
 
+        The result carries no autograd history: ``x`` is detached first (E2M1 rounding has no
+        useful derivative, and a gradient through the amax alone would reach only the block
+        maxima). NVFP4Linear defines the gradients of NVFP4 training (dgrad and wgrad GEMMs).
+
         Args:
             x: (..., M, K) bfloat16/float16/float32, K a multiple of 16 (2d: a 2-D (M, K) tensor
-                with M a multiple of 16 too).
+                with M a multiple of 16 too). An ``x`` with no elements gives an empty
+                NVFP4Tensor of its shape (zero outer scale, as an all-zero tensor).
             block: "1d" (1x16 blocks along K) or "2d" (16x16 tiles, per-tensor scaling only).
             scaling: "per_tensor" or "per_token" (one outer scale per row).
             rounding: "rn" (nearest even) or "sr" (stochastic, Philox-4x32-10 bits from
                 ``seed``/``offset``: the same bits on every backend).
             rht: quantize ``rht(x, rht_signs)`` (the 16-point random Hadamard transform along K).
-            rht_signs: (16,) +-1 signs; None with ``rht=True`` uses ``NVFP4Recipe().signs()``.
+            rht_signs: 16 values +-1 (a tensor or a sequence); None with ``rht=True`` uses
+                ``NVFP4Recipe().signs()``.
             backend: "auto", "reference", "triton" or "native" (see ``backends.get_backend``).
         Raises:
-            TypeError: unsupported dtype. ValueError: bad option or shape (names the problem).
+            TypeError: unsupported dtype. ValueError: bad option or shape (names the problem),
+            ``rht_signs`` not 16 values +-1 or given with ``rht=False``.
         """
+        x = x.detach()
         R.check_input(x, block, scaling, rounding)
+        if rht_signs is not None and not rht:
+            raise ValueError("from_hp: rht_signs given, but rht=False")
         signs = None
         if rht:
-            if rht_signs is None:
-                from .recipe import NVFP4Recipe
-                rht_signs = NVFP4Recipe().signs()
-            signs = rht_signs.to(device=x.device, dtype=torch.float32)
-        spec = OperandSpec(block, scaling, rounding, rht, None)
-        data = get_backend(backend, x.device).quantize(x, spec, seed, offset, signs)
+            signs = (NVFP4Recipe().signs() if rht_signs is None else
+                     torch.tensor(parse_signs(rht_signs, "from_hp: rht_signs"), dtype=torch.float32))
+            signs = signs.to(x.device)
+        if x.numel() == 0:
+            data = _empty_data(x, block, scaling)
+        else:
+            spec = OperandSpec(block, scaling, rounding, rht, None)
+            data = get_backend(backend, x.device).quantize(x, spec, seed, offset, signs)
         return cls(*data, block, scaling, rounding, x.dtype, False, signs)
 
     @property
@@ -105,6 +117,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
 
         Returns ``codes * block_scale * outer_scale`` in ``output_dtype`` (default: ``self.dtype``).
         """
+        if self.numel() == 0:  # nothing to unpack
+            return self.qdata.new_empty(self.shape, dtype=output_dtype or self.orig_dtype)
         x = R.dequantize(self.data_, self.block)
         if self.transposed:
             x = x.transpose(-2, -1)
@@ -139,8 +153,9 @@ class NVFP4Tensor(TorchAOBaseTensor):
                 f"  block={self.block} ({'16x16' if self.block == '2d' else '1x16'} E4M3 scales), "
                 f"scaling={self.scaling}, rounding={self.rounding}, rht={self.rht_signs is not None}"
                 f"{', transposed view' if self.transposed else ''}")
-        if torch.compiler.is_compiling() or isinstance(self.qdata, FakeTensor):
-            return head + ")"  # no values while tracing
+        if (torch.compiler.is_compiling() or isinstance(self.qdata, FakeTensor) or self.qdata.is_meta
+                or self.numel() == 0):
+            return head + ")"  # no values to show (or none while tracing)
         return head + ",\n" + self._value_summary() + ")"
 
     def _value_summary(self) -> str:
@@ -162,6 +177,16 @@ class NVFP4Tensor(TorchAOBaseTensor):
         vals = R.dequantize(NVFP4Data(row, scale, outer.reshape(()) if self.scaling == "per_tensor"
                                       else outer), "1d")
         return "[" + ", ".join(f"{v:.4g}" for v in vals.reshape(-1)[:8].tolist()) + "]"
+
+
+def _empty_data(x: torch.Tensor, block: str, scaling: str) -> NVFP4Data:
+    """The quantization of an ``x`` with no elements, where there is no amax to take: empty codes
+    and block scales, and a zero outer scale (as for an all-zero tensor, numerics item 10)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    scale_shape = (x.shape[0] // BLOCK, k // BLOCK) if block == "2d" else (*lead, k // BLOCK)
+    return NVFP4Data(x.new_empty((*lead, k // 2), dtype=torch.uint8),
+                     x.new_empty(scale_shape, dtype=torch.float8_e4m3fn),
+                     x.new_zeros(lead if scaling == "per_token" else (), dtype=torch.float32))
 
 
 implements = NVFP4Tensor.implements

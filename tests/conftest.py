@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def without_triton_interpreter(monkeypatch):
+    """TRITON_INTERPRET unset, as outside the tests on a CPU-only machine, where the Triton
+    backend cannot run. The backend is imported first, under the interpreter: Triton and the
+    kernels read the flag once, at import, and later tests still use the interpreter."""
+    import nvfp4_recipe.triton_backend  # noqa: F401
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

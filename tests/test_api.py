@@ -1,12 +1,18 @@
 """quantize_: the layer filter, logging of skipped layers, torchao registration, summary/tensor_stats."""
 
+import copy
 import logging
+import math
+import zlib
 
+import pytest
 import torch
 import torchao
 from torch import nn
 
 import nvfp4_recipe as nr
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.api import skip_reasons
 
 
 class Net(nn.Module):
@@ -37,19 +43,92 @@ def test_default_filter_and_skip_log(caplog):
     assert "recipe=nvfp4(rht, sr, 2d-weights, per_tensor)" in str(model)
 
 
-def test_keep_first_last_and_distinct_layer_seeds():
+def test_keep_first_last():
     model = nr.quantize_(Net(), nr.NVFP4Recipe(keep_first_last=1))
-    assert kinds(model)["embed"] == "Linear" and kinds(model)["lm_head"] == "Linear"
-    model = nr.quantize_(Net())
-    assert int(model.embed.sr_seed) != int(model.blocks[0].sr_seed)
+    assert kinds(model) == {"embed": "Linear", "blocks.0": "NVFP4Linear", "blocks.2": "Linear",
+                            "blocks.3": "Linear", "lm_head": "Linear"}
 
 
-def test_torchao_quantize_accepts_the_recipe():
+def test_torchao_quantize_takes_a_recipe_that_needs_no_layer_names():
+    """torchao's quantize_ passes its handler a module and the recipe only: a recipe without SR and
+    without a layer filter gives the same model as nvfp4_recipe.quantize_."""
+    torch.manual_seed(0)
     model = Net()
-    torchao.quantization.quantize_(model, nr.NVFP4Recipe())
-    assert kinds(model)["embed"] == "NVFP4Linear" and kinds(model)["blocks.2"] == "Linear"
-    y = model(torch.randn(16, 32))
-    assert y.shape == (16, 32) and torch.isfinite(y).all()
+    ours = nr.quantize_(copy.deepcopy(model), nr.NVFP4Recipe(stochastic_rounding=False))
+    torchao.quantization.quantize_(model, nr.NVFP4Recipe(stochastic_rounding=False))
+    assert kinds(model) == kinds(ours)
+    x = torch.randn(16, 32)
+    assert torch.equal(model(x), ours(x))
+
+
+@pytest.mark.parametrize("field, value", [("keep_bf16", ("lm_head",)), ("keep_first_last", 1),
+                                          ("stochastic_rounding", True)])
+def test_torchao_quantize_refuses_fields_that_need_layer_names(field, value):
+    """keep_bf16 and keep_first_last select layers by name and position, and SR streams are
+    derived from the layer names: torchao's handler cannot know them, so it raises (pointing to
+    nvfp4_recipe.quantize_) instead of ignoring the field; nothing is swapped."""
+    model = Net()
+    fields = {"stochastic_rounding": False, field: value}
+    with pytest.raises(ValueError, match=f"NVFP4Recipe.{field}.*nvfp4_recipe.quantize_"):
+        torchao.quantization.quantize_(model, nr.NVFP4Recipe(**fields))
+    assert "NVFP4Linear" not in kinds(model).values()
+    nr.quantize_(model, nr.NVFP4Recipe(**fields))  # our entry point applies the same recipe
+    assert "NVFP4Linear" in kinds(model).values()
+
+
+def test_layer_seeds_are_derived_from_the_layer_names():
+    recipe = nr.NVFP4Recipe(seed=11)
+    model = nr.quantize_(Net(), recipe)
+    seeds = {fqn: int(m.sr_seed) for fqn, m in model.named_modules() if isinstance(m, nr.NVFP4Linear)}
+    assert seeds == {fqn: (11 + zlib.crc32(fqn.encode())) & 0xFFFFFFFF
+                     for fqn in ("embed", "blocks.0", "lm_head")}
+    assert len(set(seeds.values())) == 3
+
+
+def test_a_top_level_linear_is_returned_swapped():
+    layer = nn.Linear(32, 32)
+    swapped = nr.quantize_(layer)
+    assert type(swapped) is nr.NVFP4Linear and swapped.weight is layer.weight
+    assert type(nr.dequantize_(swapped)) is nn.Linear
+    kept = nr.quantize_(layer, nr.NVFP4Recipe(keep_first_last=1))
+    assert kept is layer
+
+
+def test_quantize_twice():
+    """The same recipe again changes nothing (SR state included); another recipe is an error
+    that says how to re-configure, and leaves the model as it was."""
+    model = nr.quantize_(Net(), nr.NVFP4Recipe(seed=1))
+    model(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, nr.NVFP4Linear)}
+    state = copy.deepcopy(model.state_dict())
+    assert nr.quantize_(model, nr.NVFP4Recipe(seed=1)) is model
+    assert {n: m for n, m in model.named_modules() if isinstance(m, nr.NVFP4Linear)} == layers
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    with pytest.raises(ValueError, match="another recipe.*dequantize_"):
+        nr.quantize_(model, nr.NVFP4Recipe(seed=2))
+    with pytest.raises(ValueError, match="another recipe.*dequantize_"):
+        torchao.quantization.quantize_(model, nr.NVFP4Recipe(seed=2, stochastic_rounding=False))
+    assert int(model.embed.sr_seed) == int(state["embed.sr_seed"]) and model.embed.recipe.seed == 1
+    nr.quantize_(nr.dequantize_(model), nr.NVFP4Recipe(seed=2))  # the documented way
+    assert model.embed.recipe.seed == 2 and int(model.embed.sr_step) == 0
+
+
+def test_shared_modules_and_attention_out_proj():
+    shared = nn.Linear(32, 32)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared), "attn": nn.MultiheadAttention(32, 2)})
+    nr.quantize_(model)
+    assert model["a"] is model["b"][0] and type(model["a"]) is nr.NVFP4Linear
+    assert type(model["attn"].out_proj) is not nr.NVFP4Linear  # MHA never calls its forward
+    assert "MultiheadAttention" in skip_reasons(model, nr.NVFP4Recipe())["attn.out_proj"]
+
+
+def test_backend_is_checked_at_quantize_time(without_triton_interpreter):
+    for backend in ("native", "triton"):
+        model = Net()
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run here"):
+            nr.quantize_(model, nr.NVFP4Recipe(backend=backend))
+        assert "NVFP4Linear" not in kinds(model).values()
 
 
 def test_summary_and_tensor_stats():
@@ -60,8 +139,35 @@ def test_summary_and_tensor_stats():
     x = torch.randn(64, 64)
     stats = nr.tensor_stats(x, recipe, "x_fprop")
     assert 10 < stats["sqnr_db"] < 30  # about 4 bits of signal for Gaussian data
-    assert 0 <= stats["flushed_to_zero"] < 0.2 and stats["saturated_blocks"] == 0
+    assert 0 < stats["flushed_to_zero"] < 0.2 and stats["saturated"] == 0
+    assert stats["zero_scale_blocks"] == 0
     assert sum(stats["scale_histogram"].values()) == 64 * 4
     assert stats["amax"] == x.abs().amax().item()
     rht = nr.tensor_stats(x, recipe, "x_wgrad")
     assert rht["amax"] != stats["amax"]  # measured after the RHT
+
+
+def test_tensor_stats_at_extreme_scales():
+    """SQNR is summed in float64: the same finite value at 1e-23 and 1e19 as at 1 (fp32 sums
+    underflow to 0 or overflow to inf there); one 1e30 outlier shows as the flushed rest."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    base = nr.tensor_stats(x)["sqnr_db"]
+    for scale in (1e-23, 1e19):
+        stats = nr.tensor_stats(x * scale)
+        assert math.isclose(stats["sqnr_db"], base, rel_tol=1e-3), (scale, stats)
+    outlier = x.clone()
+    outlier[5, 7] = 1e30
+    stats = nr.tensor_stats(outlier)
+    assert math.isfinite(stats["sqnr_db"]) and stats["sqnr_db"] > 100  # the outlier dominates
+    assert stats["flushed_to_zero"] > 0.99 and stats["saturated"] == 0
+
+
+def test_tensor_stats_reports_saturation_under_an_underestimated_amax():
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    stats = nr.tensor_stats(x, {"amax_": x.abs().amax() / 4})  # block scales clamp at 448
+    deq = R.dequantize(R.quantize(x, amax_=x.abs().amax() / 4))
+    clipped = (x.abs() > 1.125 * deq.abs()) & (deq.abs() == deq.abs().amax())
+    assert stats["saturated"] == clipped.double().mean().item() > 0.05
+    assert stats["sqnr_db"] < nr.tensor_stats(x)["sqnr_db"]

@@ -224,3 +224,148 @@ def test_eager_calls_equal_the_custom_ops(backend):
     for a, b in zip(direct, via_ops):
         assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
                            b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+
+
+def _record_fprop_calls(monkeypatch):
+    """Records (tokens, X^T spec, need_wt) of every ops.linear_fprop call of NVFP4Linear."""
+    from nvfp4_recipe import ops
+    calls, fprop = [], ops.linear_fprop
+
+    def spy(x, weight, w_spec, x_spec, xt_spec, need_wt, *rest):
+        calls.append((x.shape[0], xt_spec, need_wt))
+        return fprop(x, weight, w_spec, x_spec, xt_spec, need_wt, *rest)
+
+    monkeypatch.setattr(ops, "linear_fprop", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
+def test_inference_runs_fprop_only_for_any_token_count(monkeypatch, mode):
+    """Without a gradient to compute the layer quantizes neither X^T nor W^T, takes any token
+    count, and computes the fprop of the recipe: Q(X) @ Q(W)^T + b."""
+    torch.manual_seed(0)
+    layer = NVFP4Linear(64, 48)
+    x = torch.randn(3, 7, 64)  # 21 tokens
+    w, b = layer.weight.detach(), layer.bias.detach()
+    expect = R.scaled_mm(R.quantize(x.reshape(21, 64)), R.quantize(w, block="2d"), b_block="2d",
+                         bias=b).reshape(3, 7, 48)
+    calls = _record_fprop_calls(monkeypatch)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
+    if mode == "frozen":
+        layer.requires_grad_(False)
+    with context() if context else torch.enable_grad():
+        y = layer(x)
+        y1 = layer(x[0, :1])  # one token, as in generation
+    assert torch.equal(y, expect) and not y.requires_grad
+    assert y1.shape == (1, 48)
+    assert calls == [(21, None, False), (1, None, False)]
+    assert int(layer.sr_step) == 0
+
+
+def test_training_still_needs_whole_blocks_of_tokens():
+    layer = NVFP4Linear(32, 32)
+    with pytest.raises(ValueError, match="multiple of 16, got 10 .*torch.no_grad"):
+        layer(torch.randn(10, 32, requires_grad=True))
+
+
+@pytest.mark.parametrize("inplace_op", ["relu", "iadd", "dropout"])
+def test_inplace_ops_on_the_output_match_out_of_place(inplace_op):
+    """The layer's output is not a view made inside its autograd Function, so in-place ops on it
+    work as on nn.Linear's, with the gradients of the out-of-place ops."""
+    torch.manual_seed(0)
+    ops_ = {"relu": (lambda h, x: nn.functional.relu(h, inplace=True), lambda h, x: nn.functional.relu(h)),
+            "iadd": (lambda h, x: h.add_(x), lambda h, x: h + x),
+            "dropout": (lambda h, x: nn.functional.dropout(h, 0.5, True, inplace=True),
+                        lambda h, x: nn.functional.dropout(h, 0.5, True))}[inplace_op]
+    layer = NVFP4Linear(64, 64)
+    x0, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    results = []
+    for op in ops_:
+        fc = copy.deepcopy(layer)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(1)  # the same dropout mask
+        out = op(fc(x), x)
+        out.backward(dy)
+        results.append((out.detach(), x.grad, fc.weight.grad, fc.bias.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert results[0][0].ne(0).any() and results[0][2].ne(0).any()
+
+
+def test_empty_input_gives_an_empty_output_and_zero_weight_gradient():
+    layer = NVFP4Linear(32, 48)
+    x = torch.randn(0, 5, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 5, 48)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(layer.weight.grad, torch.zeros(48, 32))
+    with torch.no_grad():
+        assert layer(torch.randn(0, 32)).shape == (0, 48)
+    with pytest.raises(ValueError, match="positive multiple of 16"):
+        NVFP4Linear(0, 16)
+
+
+def _sr_rht_mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+def _train_steps(model, steps=3):
+    """A few AdamW steps on fixed random data; returns the losses and the final parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 32, generator=g)
+        loss = (model(x) - x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+def test_meta_device_init_matches_a_model_built_on_the_cpu():
+    """Build on the meta device, quantize_, to_empty, reset_parameters (the large-model / FSDP2
+    flow): the recipe buffers and then training equal those of a model built on the CPU."""
+    recipe = NVFP4Recipe(seed=3)
+    torch.manual_seed(0)
+    cpu = quantize_(_sr_rht_mlp(), recipe)
+    with torch.device("meta"):
+        meta = _sr_rht_mlp()
+    quantize_(meta, recipe)
+    meta.to_empty(device="cpu")
+    for name in ("rht_signs", "sr_seed", "sr_step"):  # set by to_empty alone
+        for i in (0, 2):
+            assert torch.equal(getattr(meta[i], name), getattr(cpu[i], name)), name
+    torch.manual_seed(0)
+    for m in meta.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    for p, q in zip(meta.parameters(), cpu.parameters()):
+        assert torch.equal(p, q)
+    losses_meta, params_meta = _train_steps(meta)
+    losses_cpu, params_cpu = _train_steps(cpu)
+    assert torch.equal(losses_meta, losses_cpu)
+    for p, q in zip(params_meta, params_cpu):
+        assert torch.equal(p, q)
+    assert int(meta[0].sr_step) == 3
+
+
+def test_recipe_buffers_reset_and_survive_moves_and_loads():
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 32, recipe=NVFP4Recipe(seed=9), layer_seed=4)
+    fresh = {k: v.clone() for k, v in layer.state_dict().items() if k in ("rht_signs", "sr_seed", "sr_step")}
+    assert int(fresh["sr_seed"]) == 13
+    layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    sd = copy.deepcopy(layer.state_dict())
+    assert int(sd["sr_step"]) == 1
+    layer.to("cpu", torch.float32)  # a move between real devices keeps the state
+    assert int(layer.sr_step) == 1
+    layer.reset_parameters()
+    for k, v in fresh.items():
+        assert torch.equal(getattr(layer, k), v)
+    with torch.device("meta"):
+        other = NVFP4Linear(32, 32, recipe=NVFP4Recipe(seed=9), layer_seed=4)
+    other.to_empty(device="cpu")
+    other.load_state_dict(sd)  # a checkpoint overrides the recipe's values
+    assert int(other.sr_step) == 1 and torch.equal(other.weight, sd["weight"])

@@ -1,6 +1,7 @@
 """NVFP4Recipe: validation, and every flag changes exactly the numbers it claims to change."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -23,10 +24,32 @@ from nvfp4_recipe.backends import get_backend
     (dict(keep_bf16=(3,)), "keep_bf16"),
     (dict(seed=-1), "seed"),
     (dict(weight_2d=1), "weight_2d"),
+    (dict(keep_bf16=None), "keep_bf16"),
+    (dict(keep_bf16=3), "keep_bf16"),
+    (dict(amax_estimation=1.0), "amax_estimation"),
+    (dict(amax_estimation=(math.inf, 1.0)), "amax_estimation"),
+    (dict(amax_estimation=(2.0, math.nan)), "amax_estimation"),
+    (dict(amax_estimation=(True, 1.0)), "amax_estimation"),
+    (dict(seed=True), "seed"),
+    (dict(seed=1.0), "seed"),
+    (dict(keep_first_last=True), "keep_first_last"),
+    (dict(rht_signs=(True,) * 16), "rht_signs"),
+    (dict(rht_signs=torch.ones(4, 4)), "rht_signs"),
+    (dict(rht_signs=torch.zeros(16)), "rht_signs"),
+    (dict(rht_signs=5), "rht_signs"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"NVFP4Recipe.{field}"):
         NVFP4Recipe(**kwargs)
+
+
+def test_valid_values_are_normalized():
+    signs = torch.tensor([1.0, -1.0] * 8)
+    r = NVFP4Recipe(rht_signs=signs, keep_bf16=["lm_head"], amax_estimation=[2, 1], seed=3)
+    assert r.rht_signs == (1, -1) * 8 and all(type(s) is int for s in r.rht_signs)
+    assert torch.equal(r.signs(), signs)
+    assert r.keep_bf16 == ("lm_head",) and r.amax_estimation == (2.0, 1.0)
+    assert r == NVFP4Recipe(rht_signs=(1, -1) * 8, keep_bf16="lm_head", amax_estimation=(2.0, 1.0), seed=3)
 
 
 def test_defaults_are_the_nvidia_recipe():

@@ -122,3 +122,51 @@ def test_compiles_fullgraph():
 
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(xq, wq)
     assert torch.equal(out, f(xq, wq))
+
+
+def test_from_hp_detaches_its_input():
+    """An NVFP4Tensor carries no autograd history: no gradient reaches x through it, rather than
+    one through the amax that reaches the block maxima only."""
+    x = torch.randn(64, 16, requires_grad=True)
+    t = NVFP4Tensor.from_hp(x)
+    deq = t.dequantize()
+    assert not t.requires_grad and not deq.requires_grad and deq.grad_fn is None
+    assert torch.equal(deq, NVFP4Tensor.from_hp(x.detach()).dequantize())
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        deq.sum().backward()
+    assert x.grad is None
+
+
+@pytest.mark.parametrize("signs, message", [
+    ([1, 2] * 8, "16 values of \\+1/-1"), ([0] * 16, "16 values of \\+1/-1"),
+    (torch.ones(8), "16 values of \\+1/-1"),
+])
+def test_from_hp_checks_rht_signs(signs, message):
+    with pytest.raises(ValueError, match="rht_signs: must be " + message):
+        NVFP4Tensor.from_hp(torch.randn(16, 32), rht=True, rht_signs=signs)
+    with pytest.raises(ValueError, match="rht_signs given, but rht=False"):
+        NVFP4Tensor.from_hp(torch.randn(16, 32), rht_signs=torch.ones(16))
+
+
+def test_from_hp_takes_signs_as_a_list():
+    x = torch.randn(16, 32)
+    signs = [1, -1, -1, 1] * 4
+    t = NVFP4Tensor.from_hp(x, rht=True, rht_signs=signs)
+    assert torch.equal(t.rht_signs, torch.tensor(signs, dtype=torch.float32))
+    assert torch.equal(t.dequantize(torch.float32), R.dequantize(R.quantize(x, rht_signs=t.rht_signs)))
+
+
+@pytest.mark.parametrize("shape, block, scaling", [((0, 64), "1d", "per_tensor"),
+                                                   ((2, 0, 32), "1d", "per_token"),
+                                                   ((0, 32), "2d", "per_tensor")])
+def test_from_hp_of_an_empty_tensor_is_empty(shape, block, scaling):
+    t = NVFP4Tensor.from_hp(torch.randn(shape), block=block, scaling=scaling)
+    assert t.shape == shape and t.dequantize().shape == shape
+    assert t.outer_scale.shape == (shape[:-1] if scaling == "per_token" else ())
+    assert "shape=" + str(shape) in repr(t)
+
+
+def test_repr_of_a_meta_tensor():
+    t = NVFP4Tensor.from_hp(torch.randn(32, 64, device="meta"), scaling="per_token")
+    assert t.device.type == "meta"
+    assert "shape=(32, 64)" in repr(t) and "device=meta" in repr(t)

@@ -75,7 +75,7 @@ def test_help_lists_every_recipe_and_option(capsys):
     for name in RECIPES:
         assert name in text
     for option in ("--recipes", "--preset", "--data", "--steps", "--d-model", "--device", "--out",
-                   "--precision", "--backend", "--seed"):
+                   "--precision", "--backend", "--seed", "--overwrite"):
         assert option in text
 
 
@@ -93,12 +93,57 @@ def test_module_entry_point_help():
     (["--d-model", "100"], "nvfp4-recipe train: error: --d-model must be a positive multiple of 16 "
                            "(NVFP4 blocks are 16 wide), got 100"),
     (["--no-stdlib"], "nvfp4-recipe train: error: --no-stdlib needs --data DIR"),
+    (["--lr", "nan"], "nvfp4-recipe train: error: --lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "nvfp4-recipe train: error: --lr must be a finite number > 0, got inf"),
+    (["--max-mb", "nan"], "nvfp4-recipe train: error: --max-mb must be a finite number >= 0, got nan"),
+    (["--seed", "-1"], "nvfp4-recipe train: error: NVFP4Recipe.seed: must be an int in [0, 2**31), got -1"),
+    (["--backend", "native"], "nvfp4-recipe train: error: NVFP4 backend 'native' cannot run here: "
+                              "the native backend needs a CUDA device, got cpu"),
 ])
-def test_bad_arguments_fail_with_one_line(tmp_path, capsys, args, message):
+def test_bad_arguments_fail_with_one_line(tmp_path, capsys, monkeypatch, args, message):
+    from nvfp4_recipe.train import loop
+    monkeypatch.setattr(loop, "train_run", _no_training)
     status, results = _train(tmp_path, *args)
     assert status == cli.EXIT_USAGE
     assert capsys.readouterr().err == message + "\n"
     assert results is None
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("a bad argument must fail before any training")
+
+
+def test_unavailable_backend_fails_before_any_training(tmp_path, capsys, monkeypatch,
+                                                      without_triton_interpreter):
+    """--backend triton on a CPU (without the Triton interpreter the tests use) fails at once,
+    not after the bf16 run."""
+    from nvfp4_recipe.train import loop
+    monkeypatch.setattr(loop, "train_run", _no_training)
+    status, results = _train(tmp_path, "--backend", "triton", "--device", "cpu")
+    assert status == cli.EXIT_USAGE and results is None
+    assert capsys.readouterr().err == ("nvfp4-recipe train: error: NVFP4 backend 'triton' cannot run "
+                                       "here: the triton backend needs a CUDA device, got cpu\n")
+    monkeypatch.setattr(loop, "train_run", _fake_run)  # bf16 alone does not use the backend
+    assert _train(tmp_path, "--backend", "triton", "--device", "cpu", "--recipes", "bf16")[0] == 0
+
+
+def test_out_must_be_a_writable_directory_without_earlier_results(tmp_path, capsys, monkeypatch):
+    from nvfp4_recipe.train import loop
+    monkeypatch.setattr(loop, "train_run", _fake_run)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out, message in ((a_file, "exists and is not a directory"),
+                         (a_file / "sub", "cannot write there: Not a directory")):
+        assert cli.main(["train", "--recipes", "bf16", "--out", str(out)]) == cli.EXIT_USAGE
+        assert capsys.readouterr().err == f"nvfp4-recipe train: error: --out {out}: {message}\n"
+    status, first = _train(tmp_path, "--recipes", "bf16")
+    assert status == 0
+    status, again = _train(tmp_path, "--recipes", "bf16")
+    assert status == cli.EXIT_USAGE and again == first  # the earlier results are kept
+    assert "already holds results.json of an earlier run; choose another --out or pass --overwrite" in (
+        capsys.readouterr().err)
+    status, replaced = _train(tmp_path, "--recipes", "bf16", "--overwrite")
+    assert status == 0 and replaced["date"] >= first["date"] and replaced["command"].endswith("--overwrite")
 
 
 def _fake_run(recipe, cfg, batches, device, dtype, progress=True):

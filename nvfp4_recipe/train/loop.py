@@ -48,9 +48,14 @@ class TrainConfig:
         for name in ("batch_size", "steps", "eval_every", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError(f"need --lr > 0, 0 <= --min-lr-ratio <= 1 and --warmup-steps >= 0, got "
-                             f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not 0 < self.lr < math.inf:  # also rejects NaN, which fails every comparison
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (0 <= self.min_lr_ratio <= 1 and 0 <= self.weight_decay < math.inf
+                and 0 < self.grad_clip < math.inf):
+            raise ValueError(f"need 0 <= min_lr_ratio <= 1, a finite weight_decay >= 0 and a finite "
+                             f"grad_clip > 0, got {self.min_lr_ratio}, {self.weight_decay}, {self.grad_clip}")
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""NVFP4 inside the stacks people train with: Hugging Face transformers and torch.utils.checkpoint.
+
+(The meta-device flow is in test_linear.py, torchao's quantize_ entry point in test_api.py.)
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import nvfp4_recipe as nr
+
+transformers = pytest.importorskip("transformers")  # in the [test] extra: runs in CI
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_hugging_face_llama_trains_generates_and_round_trips(tmp_path):
+    """A tiny LlamaForCausalLM from a config: quantize_ (lm_head kept), 20 AdamW steps, generate()
+    (batch 1: prompt and new-token counts that are not multiples of 16), save_pretrained, and
+    from_pretrained into a plain model and into one quantized after loading."""
+    recipe = nr.NVFP4Recipe(keep_bf16=("lm_head",))
+    model = nr.quantize_(_tiny_llama(), recipe)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert sum(isinstance(m, nr.NVFP4Linear) for m in linears) == len(linears) - 1 == 14
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (2, 32), generator=g)
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    assert int(model.model.layers[0].mlp.up_proj.sr_step) == 20
+
+    model.eval()
+    prompt = ids[:1, :5]
+    out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.shape == (1, 13) and torch.equal(out[:, :5], prompt)
+
+    model.save_pretrained(tmp_path)
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    trained = dict(model.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    requantized = nr.quantize_(transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval(), recipe)
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+        assert torch.equal(requantized(input_ids=ids).logits, expect)
+        assert not torch.equal(plain(input_ids=ids).logits, expect)  # NVFP4 changes the output
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_gives_the_same_gradients(use_reentrant):
+    """torch.utils.checkpoint recomputes the forward in backward; the backward (and so the SR
+    stream, keyed by sr_step) runs once, so the gradients equal those without checkpointing."""
+    torch.manual_seed(0)
+    model = nr.quantize_(nn.Sequential(_Block(), _Block()))
+    twin = copy.deepcopy(model)
+    x0 = torch.randn(2, 16, 32)
+    grads = []
+    for m, wrap in ((model, False), (twin, True)):
+        x = x0.clone().requires_grad_()
+        for _ in range(2):  # two steps: the second uses the advanced SR streams
+            m.zero_grad()
+            h = x
+            for block in m:
+                h = (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=use_reentrant)
+                     if wrap else block(h))
+            h.square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in m.parameters()])
+        assert all(int(b.fc1.sr_step) == 2 for b in m)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
