@@ -8,8 +8,9 @@ E4M3 block scales, per-tensor outer scales), bf16 output. Rows:
   fraction (timed first and last: the spread of the two is the run's noise).
 - ``torchao emulation``: torchao 0.18 ``NVFP4Tensor`` dequantize both operands to bf16, then
   ``torch.mm`` (what its NVFP4 matmul does off Blackwell), on its own quantization of random data.
-- ``fused``, ``dequant_triton``, ``dequant_cublas``: the methods of ``scaled_mm``; the first two for
-  every tile config of the sweep (the default config is marked).
+- ``triton``, ``cublas``: the methods of ``scaled_mm``; ``triton`` for every tile config of the
+  sweep (the default config is marked); ``fused`` (``fused_gemm.py``), an experiment kept here:
+  the dequantization inside the GEMM's main loop.
 - ``dequant + bf16 mm + scale``: cuBLAS bf16 output scaled afterwards (rounds twice; not offered by
   the library, shown as the cost of skipping the fp32 epilogue).
 - components of the two-pass methods: dequantize A and B, cuBLAS fp16 -> fp32 product, epilogue;
@@ -32,7 +33,11 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fused_gemm import FUSED_CONFIG, fused_mm  # noqa: E402
 from nvfp4_recipe.kernels import gemm as G  # noqa: E402
+from nvfp4_recipe.kernels import dequantize as D  # noqa: E402
+from nvfp4_recipe.operand import NVFP4Operand  # noqa: E402
 
 SHAPES = ((16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096))
 # Not in the target: the wgrad GEMM of a 4096 x 4096 layer (K = tokens), default configs only.
@@ -76,11 +81,16 @@ def copy_gbps(device) -> float:
     return 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def random_operand(rows, k, device, gen) -> G.Operand:
+def random_operand(rows, k, device, gen) -> NVFP4Operand:
     q = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, device=device, generator=gen)
     s = torch.exp2(torch.rand(rows, k // 16, device=device, generator=gen) * 8 - 4)
     outer = torch.full((), 1e-3, device=device)
-    return G.check_operand("x", q, s.to(torch.float8_e4m3fn), outer, "1d")
+    return NVFP4Operand(q, s.to(torch.float8_e4m3fn), outer)
+
+
+def inner_pair(a, b, cfg=None):
+    """A_inner and B_inner in fp16 (the dequantize passes of the two-pass GEMM)."""
+    return (D.dequantize_inner(a, torch.float16, cfg), D.dequantize_inner(b, torch.float16, cfg))
 
 
 def sass_summary(kernel) -> dict:
@@ -112,9 +122,9 @@ def torchao_peer(m, k, n, device):
 
 
 def two_pass_triton(a, b, cfg):
-    """The "dequant_triton" method with a given GEMM config (bf16 output)."""
-    a16, b16 = G._inner_pair(a, b)
-    return G._launch_gemm(a16, a.outer, b16, b.outer, None, torch.bfloat16, cfg)
+    """The "triton" method with a given GEMM config (bf16 output)."""
+    a16, b16 = inner_pair(a, b)
+    return G.triton_mm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16, cfg)
 
 
 def rel_error(out, ref) -> float:
@@ -124,9 +134,9 @@ def rel_error(out, ref) -> float:
 def bench_shape(m, k, n, device, quick, sass):
     gen = torch.Generator(device=device).manual_seed(m + k + n)
     a, b = random_operand(m, k, device, gen), random_operand(n, k, device, gen)
-    a_bf = G.dequantize_inner(a.qdata, a.scale)
-    b_bf = G.dequantize_inner(b.qdata, b.scale)
-    scale = a.outer * b.outer
+    a_bf = D.dequantize_inner(a)
+    b_bf = D.dequantize_inner(b)
+    scale = a.outer_scale * b.outer_scale
     ref = scale * torch.mm(a_bf.float(), b_bf.float().t())
     flop = 2.0 * m * n * k
     rows = []
@@ -138,11 +148,14 @@ def bench_shape(m, k, n, device, quick, sass):
 
     row("bf16 torch.mm", lambda: torch.mm(a_bf, b_bf.t()), check=False)
     row("torchao emulation", torchao_peer(m, k, n, device), check=False)
-    for method, sweep, default in (("fused", FUSED_SWEEP, G.FUSED_CONFIG),
-                                   ("dequant_triton", GEMM_SWEEP, G.gemm_config(k, torch.bfloat16))):
+    kernels = {}
+    for method, sweep, default in (("fused", FUSED_SWEEP, FUSED_CONFIG),
+                                   ("triton", GEMM_SWEEP, G.gemm_config(k, torch.bfloat16))):
         for cfg in ((default,) if quick else sweep):
             if method == "fused":
-                fn = lambda cfg=cfg: G._launch_fused(a, b, None, torch.bfloat16, cfg)
+                def fn(cfg=cfg):
+                    out, kernels["fused"] = fused_mm(a, b, None, torch.bfloat16, cfg)
+                    return out
             else:
                 fn = lambda cfg=cfg: two_pass_triton(a, b, cfg)
             tag = "x".join(str(cfg[x]) for x in ("BM", "BN", "BK")) + \
@@ -155,30 +168,28 @@ def bench_shape(m, k, n, device, quick, sass):
                 rows.append(dict(variant=method, config=tag, error=f"{type(e).__name__}: {e}"[:200]))
                 continue
             if cfg == default and method not in sass and device.type == "cuda":
-                sass[method] = sass_summary(G.LAST_KERNEL[method])
-    operands = (a.qdata, a.scale, a.outer, b.qdata, b.scale, b.outer)
-    row("dequant_cublas", lambda: G.scaled_mm(*operands, method="dequant_cublas"))
+                sass[method] = sass_summary(kernels.get(method) or G.LAST_KERNEL[method])
+    row("cublas", lambda: G.scaled_mm(a, b, method="cublas"))
     row("dequant + bf16 mm + scale (2 roundings)",
-        lambda: (torch.mm(G.dequantize_inner(a.qdata, a.scale), G.dequantize_inner(b.qdata, b.scale).t())
-                 * scale).to(torch.bfloat16))
-    per_token = (a.outer.expand(m).contiguous(), b.outer.expand(n).contiguous())
+        lambda: (torch.mm(D.dequantize_inner(a), D.dequantize_inner(b).t()) * scale).to(torch.bfloat16))
+    at = a._replace(outer_scale=a.outer_scale.expand(m).contiguous())
+    bt = b._replace(outer_scale=b.outer_scale.expand(n).contiguous())
     bias = torch.randn(n, device=device, dtype=torch.bfloat16)
-    tok = (a.qdata, a.scale, per_token[0], b.qdata, b.scale, per_token[1])
     ref_tok = ref + bias.float()
-    err = rel_error(G.scaled_mm(*tok, bias=bias), ref_tok)
-    ms = bench_ms(lambda: G.scaled_mm(*tok, bias=bias))
+    err = rel_error(G.scaled_mm(at, bt, bias=bias), ref_tok)
+    ms = bench_ms(lambda: G.scaled_mm(at, bt, bias=bias))
     rows.append(dict(variant="auto, per-token scales + bias", ms=ms, tflops=flop / ms / 1e9, rel_err=err))
-    row("auto, fp32 output", lambda: G.scaled_mm(*operands, out_dtype=torch.float32))
-    a16, b16 = G._inner_pair(a, b)
-    c = G._mm_f32(a16, b16)
+    row("auto, fp32 output", lambda: G.scaled_mm(a, b, out_dtype=torch.float32))
+    a16, b16 = inner_pair(a, b)
+    c = G.mm_f32(a16, b16)
     deq_bytes = (m + n) * k * (0.5 + 1 / 16 + 2)
-    for cfg in ((G.DEQUANT_CONFIG,) if quick else DEQUANT_SWEEP):
-        deq_ms = bench_ms(lambda: G._inner_pair(a, b, cfg))
-        tag = f"{cfg['BR']}x{cfg['BK']} w{cfg['num_warps']}" + (" *" if cfg == G.DEQUANT_CONFIG else "")
+    for cfg in ((D.DEQUANT_CONFIG,) if quick else DEQUANT_SWEEP):
+        deq_ms = bench_ms(lambda: inner_pair(a, b, cfg))
+        tag = f"{cfg['BR']}x{cfg['BK']} w{cfg['num_warps']}" + (" *" if cfg == D.DEQUANT_CONFIG else "")
         rows.append(dict(variant="  dequantize A and B (fp16)", config=tag, ms=deq_ms,
                          gbps=deq_bytes / deq_ms / 1e6))
-    rows.append(dict(variant="  cuBLAS fp16 -> fp32", ms=bench_ms(lambda: G._mm_f32(a16, b16))))
-    epi_ms = bench_ms(lambda: G.apply_epilogue(c, a.outer, b.outer, None, torch.bfloat16))
+    rows.append(dict(variant="  cuBLAS fp16 -> fp32", ms=bench_ms(lambda: G.mm_f32(a16, b16))))
+    epi_ms = bench_ms(lambda: G.apply_epilogue(c, a.outer_scale, b.outer_scale, None, torch.bfloat16))
     rows.append(dict(variant="  epilogue fp32 -> bf16", ms=epi_ms, gbps=6 * m * n / epi_ms / 1e6))
     row("bf16 torch.mm (again)", lambda: torch.mm(a_bf, b_bf.t()), check=False)
     base = rows[0]["tflops"]

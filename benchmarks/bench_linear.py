@@ -20,6 +20,7 @@ from common import median_ms, write_json
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.recipe import SR_OFFSETS
+from nvfp4_recipe.spec import GemmRole
 
 RECIPES = {
     "default": NVFP4Recipe(),
@@ -75,28 +76,29 @@ def peak_memory(step) -> int:
 
 
 def breakdown(layer: NVFP4Linear, x: torch.Tensor, dy: torch.Tensor) -> dict:
-    """Milliseconds of each piece of an NVFP4Linear step, timed alone: the backend calls the layer
-    makes (``gemm_operands`` then ``operand_mm``; on the Triton backend the transient operands are
-    fp16 inner values, so the fprop and dgrad pieces include the dequantize pass of W or W^T; the
-    dY pass also dequantizes X^T, wgrad's other operand)."""
+    """Milliseconds of each piece of an NVFP4Linear step, timed alone: the backend primitives
+    ``linear.linear_fprop`` and ``linear_grads`` call (on the Triton backend the transient operands
+    are fp16 inner values, so the fprop and dgrad GEMMs include the dequantize pass of W or W^T;
+    the dY pass also dequantizes X^T, wgrad's other operand)."""
     r, be = layer.recipe, get_backend(layer.recipe.backend, x.device)
     w, signs, seed = layer.weight, layer.rht_signs, layer.sr_seed
-    spec = {role: r.operand(role) for role in ("x_fprop", "w_fprop", "dy_dgrad", "dy_wgrad", "x_wgrad")}
-    wq, wtq = be.quantize_weight(w, spec["w_fprop"])
-    x_ops = lambda: be.gemm_operands(x, spec["x_fprop"], spec["x_wgrad"], rht_signs=signs,
+    spec = {role: r.spec(role) for role in GemmRole}
+    wq, wtq = be.prepare_weight(w, spec[GemmRole.W_FPROP], need_t=True)
+    x_ops = lambda: be.quantize_pair(x, spec[GemmRole.X_FPROP], spec[GemmRole.X_WGRAD], signs=signs,
                                      transient=(True, False))
     xq, xtq, _ = x_ops()
-    dy_ops = lambda: be.gemm_operands(dy, spec["dy_dgrad"], spec["dy_wgrad"], seed,
-                                      SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"], signs, b=xtq)
+    dy_ops = lambda: be.quantize_pair(dy, spec[GemmRole.DY_DGRAD], spec[GemmRole.DY_WGRAD], seed=seed,
+                                      row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
+                                      col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs,
+                                      transient=(True, True), prepare=xtq)
     dyq, dytq, xt_b = dy_ops()
-    wb = spec["w_fprop"].block
     return {
-        "quantize W (+W^T)": bench(lambda: be.quantize_weight(w, spec["w_fprop"])),
+        "quantize W (+W^T)": bench(lambda: be.prepare_weight(w, spec[GemmRole.W_FPROP], need_t=True)),
         "quantize X (+X^T RHT)": bench(x_ops),
         "quantize dY (+dY^T RHT, X^T dequantized)": bench(dy_ops),
-        "fprop GEMM": bench(lambda: be.operand_mm(xq, wq, wb, layer.bias, torch.bfloat16)),
-        "dgrad GEMM": bench(lambda: be.operand_mm(dyq, wtq, wb, None, torch.bfloat16)),
-        "wgrad GEMM": bench(lambda: be.operand_mm(dytq, xt_b, "1d", None, torch.float32)),
+        "fprop GEMM": bench(lambda: be.mm(xq, wq, bias=layer.bias, out_dtype=torch.bfloat16)),
+        "dgrad GEMM": bench(lambda: be.mm(dyq, wtq, out_dtype=torch.bfloat16)),
+        "wgrad GEMM": bench(lambda: be.mm(dytq, xt_b, out_dtype=torch.float32)),
     }
 
 

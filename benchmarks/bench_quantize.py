@@ -29,11 +29,12 @@ from common import copy_gbps, environment, gbps, markdown_table, median_ms, writ
 from nvfp4_recipe import reference as R  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
-from nvfp4_recipe.kernels.quantize import CopySpec, amax_pass, quantize_1d, quantize_2d  # noqa: E402
+from nvfp4_recipe.kernels.quantize import amax_pass, quantize_1d, quantize_2d  # noqa: E402
+from nvfp4_recipe.spec import QuantSpec  # noqa: E402
 
 SHAPES = [(16384, 4096), (16384, 14336)]
-X_ROW, X_COL = CopySpec(), CopySpec(rht=True)  # fprop X, wgrad X^T (recipe defaults)
-DY_ROW, DY_COL = CopySpec(sr=True), CopySpec(sr=True, rht=True)  # dgrad dY, wgrad dY^T
+X_ROW, X_COL = QuantSpec(), QuantSpec(rht=True)  # fprop X, wgrad X^T (recipe defaults)
+DY_ROW, DY_COL = QuantSpec(rounding="sr"), QuantSpec(rounding="sr", rht=True)  # dgrad dY, wgrad dY^T
 
 
 def cases(x: torch.Tensor, signs: torch.Tensor):
@@ -53,11 +54,11 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
         ("quantize dY rowwise SR + dY^T RHT SR", "quantize",
          lambda: quantize_1d(x, DY_ROW, DY_COL, signs=signs, amaxes=both, **sr), 2 * n + 2 * copy_out),
         ("quantize X inner fp16 + X^T RHT RN (training)", "quantize",
-         lambda: quantize_1d(x, X_ROW._replace(inner=True), X_COL, signs=signs, amaxes=both),
+         lambda: quantize_1d(x, X_ROW, X_COL, inner=(True, False), signs=signs, amaxes=both),
          2 * n + 2 * n + copy_out),
         ("quantize dY inner fp16 + dY^T RHT SR inner (training)", "quantize",
-         lambda: quantize_1d(x, DY_ROW._replace(inner=True), DY_COL._replace(inner=True),
-                             signs=signs, amaxes=both, **sr), 2 * n + 4 * n),
+         lambda: quantize_1d(x, DY_ROW, DY_COL, inner=(True, True), signs=signs, amaxes=both, **sr),
+         2 * n + 4 * n),
         ("quantize W 2D (W and W^T)", "quantize", lambda: quantize_2d(x, amax=plain),
          2 * n + 2 * (n // 2 + n // 256)),
         ("total X fprop: amax + rowwise RN", "total", lambda: quantize_1d(x, X_ROW), 4 * n + copy_out),
@@ -66,7 +67,8 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
         ("total dY pair: amax + quantize", "total",
          lambda: quantize_1d(x, DY_ROW, DY_COL, signs=signs, **sr), 4 * n + 2 * copy_out),
         ("total X pair, amax estimation", "total",
-         lambda: quantize_1d(x, X_ROW, X_COL._replace(amax_scale=2.0), signs=signs), 4 * n + 2 * copy_out),
+         lambda: quantize_1d(x, X_ROW, QuantSpec(rht=True, amax_scale=2.0), signs=signs),
+         4 * n + 2 * copy_out),
         ("total W 2D: amax + quantize", "total", lambda: quantize_2d(x), 4 * n + 2 * (n // 2 + n // 256)),
     ]
 
@@ -85,10 +87,9 @@ def check(x: torch.Tensor, signs: torch.Tensor) -> None:
     xs = x[:2048]
     for row, col, kw in ((X_ROW, X_COL, {}), (DY_ROW, DY_COL, dict(seed=7, row_offset=0, col_offset=2**31))):
         r, c = quantize_1d(xs, row, col, signs=signs, **kw)
-        spec = lambda s: dict(rounding="sr" if s.sr else "rn", rht_signs=signs if s.rht else None,
-                              seed=kw.get("seed", 0))
-        rr = R.quantize(xs, offset=kw.get("row_offset", 0), **spec(row))
-        rc = R.quantize(xs.t(), offset=kw.get("col_offset", 0), **spec(col))
+        rr = R.quantize(xs, row, seed=kw.get("seed", 0), offset=kw.get("row_offset", 0), rht_signs=signs)
+        rc = R.quantize(xs.t(), col, seed=kw.get("seed", 0), offset=kw.get("col_offset", 0),
+                        rht_signs=signs)
         for out, ref in ((r, rr), (c, rc)):
             assert torch.equal(out.qdata, ref.qdata) and torch.equal(out.outer_scale, ref.outer_scale)
             assert torch.equal(out.scale.view(torch.uint8), ref.scale.view(torch.uint8))

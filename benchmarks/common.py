@@ -1,6 +1,6 @@
 """Shared benchmark helpers: median timing, the device-to-device copy baseline, tables and JSON.
 
-Method (design.md, "Performance method"): time with ``triton.testing.do_bench`` (median, after
+Method (docs/performance.md): time with ``triton.testing.do_bench`` (median, after
 warm-up), count the bytes a kernel must move (each input read once, each output written once) and
 report GB/s against a device-to-device copy measured in the same run.
 """

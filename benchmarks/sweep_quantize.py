@@ -5,7 +5,7 @@ K in {512, 2048}), bf16: the activation pair, the gradient pair, the rowwise RN 
 kernel and the amax kernel (global; with the RHT amax; per-token), each run with one config at a time (the autotuner's list is swapped
 in and out); every config's output is checked bit-identical to the first config's. Prints
 % of a device-to-device copy measured in the same run and writes JSON. This is how the first
-config of each list in ``kernels/quantize.py`` was chosen (docs/benchmarks.md).
+config of each list in ``kernels/quantize.py`` was chosen (docs/performance.md).
 
     python benchmarks/sweep_quantize.py [--json sweep.json]
 """
@@ -22,7 +22,8 @@ from common import copy_gbps, median_ms, write_json  # noqa: E402
 from nvfp4_recipe import reference as R  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
-from nvfp4_recipe.kernels.quantize import CopySpec, amax_pass, quantize_1d, quantize_2d  # noqa: E402
+from nvfp4_recipe.kernels.quantize import amax_pass, quantize_1d, quantize_2d  # noqa: E402
+from nvfp4_recipe.spec import QuantSpec  # noqa: E402
 
 SHAPES = [(16384, 4096), (16384, 14336)]
 SMALL_SHAPES = [(32768, 512), (32768, 2048)]
@@ -32,17 +33,17 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
     """name -> (autotuned kernel, call, bytes moved), amaxes precomputed."""
     n = x.numel()
     one = n // 2 + n // 16
-    plain, _ = amax_pass(x, CopySpec(), None)
-    both = amax_pass(x, CopySpec(), CopySpec(rht=True), signs)
+    plain, _ = amax_pass(x, QuantSpec(), None)
+    both = amax_pass(x, QuantSpec(), QuantSpec(rht=True), signs)
     sr = dict(seed=7, col_offset=2**31)
     return {
         "act pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
-            x, CopySpec(), CopySpec(rht=True), signs=signs, amaxes=both), 2 * n + 2 * one),
+            x, QuantSpec(), QuantSpec(rht=True), signs=signs, amaxes=both), 2 * n + 2 * one),
         "grad pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
-            x, CopySpec(sr=True), CopySpec(sr=True, rht=True), signs=signs, amaxes=both, **sr),
+            x, QuantSpec(rounding="sr"), QuantSpec(rounding="sr", rht=True), signs=signs, amaxes=both, **sr),
             2 * n + 2 * one),
         "rowwise RN": (Q._quantize_rows_kernel, lambda: quantize_1d(
-            x, CopySpec(), amaxes=(plain, None)), 2 * n + one),
+            x, QuantSpec(), amaxes=(plain, None)), 2 * n + one),
         "W 2D": (Q._quantize_2d_kernel, lambda: quantize_2d(x, amax=plain),
                  2 * n + 2 * (n // 2 + n // 256)),
         "amax": (A._amax_kernel, lambda: A.amax(x), 2 * n),
@@ -52,9 +53,10 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
 
 
 def outputs(out):
-    """The tensors of a quantize or amax call's result (tuples of Quantized, tensors or None),
+    """The tensors of a quantize or amax call's result (tuples of NVFP4Operands, tensors or None),
     as raw bits."""
-    flat = [t for q in out if q is not None for t in ((q,) if isinstance(q, torch.Tensor) else q)]
+    flat = [t for q in out if q is not None
+            for t in ((q,) if isinstance(q, torch.Tensor) else q) if isinstance(t, torch.Tensor)]
     return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat]
 
 

@@ -2,7 +2,9 @@
 
 Public API: :class:`NVFP4Recipe` (what to quantize and how), :func:`quantize_` (swap nn.Linear
 layers for :class:`NVFP4Linear`), :class:`NVFP4Tensor` (the quantized tensor subclass), and the
-inspection helpers :func:`summary` and :func:`tensor_stats`.
+inspection helpers :func:`summary`, :func:`tensor_stats` and :func:`capture`. The typed pieces
+below them: :class:`QuantSpec` and :class:`GemmRole` (``spec``), :class:`NVFP4Operand`
+(``operand``), the backends (``backends``) and the Triton kernels (``kernels``).
 """
 
 import logging
@@ -49,10 +51,12 @@ def _import_torchao_quietly() -> None:
 _import_torchao_quietly()
 
 from .api import dequantize_, quantize_  # noqa: E402
-from .inspect import summary, tensor_stats  # noqa: E402
+from .inspect import capture, summary, tensor_stats  # noqa: E402
 from .linear import NVFP4Linear  # noqa: E402
+from .operand import NVFP4Operand  # noqa: E402
 from .recipe import NVFP4Recipe  # noqa: E402
+from .spec import GemmRole, QuantSpec  # noqa: E402
 from .tensor import NVFP4Tensor  # noqa: E402
 
-__all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "quantize_", "dequantize_", "summary",
-           "tensor_stats"]
+__all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "NVFP4Operand", "QuantSpec", "GemmRole",
+           "quantize_", "dequantize_", "summary", "tensor_stats", "capture"]

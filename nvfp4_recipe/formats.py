@@ -74,7 +74,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd last dimension ({codes.shape[-1]}) into nibbles")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
@@ -82,4 +82,5 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles`: uint8 (..., K // 2) -> uint8 codes (..., K)."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed E2M1 data must be uint8, got {packed.dtype}")
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1],
+                                                                    2 * packed.shape[-1])

@@ -1,7 +1,9 @@
-"""Interactive inspection: which layers a model runs in NVFP4, and what NVFP4 does to a tensor."""
+"""Interactive inspection: which layers a model runs in NVFP4, what NVFP4 does to a tensor, and the
+quantized operands a training step actually used."""
 
+import contextlib
 import math
-from typing import Dict, Optional, Union
+from typing import Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -9,9 +11,10 @@ from torch import nn
 from . import reference as R
 from .formats import E2M1_GRID, unpack_nibbles
 from .linear import NVFP4Linear
-from .recipe import NVFP4Recipe, OperandSpec
+from .recipe import NVFP4Recipe
+from .spec import GemmRole, QuantSpec
 
-__all__ = ["summary", "tensor_stats"]
+__all__ = ["summary", "tensor_stats", "capture"]
 
 E2M1_MAX_CODE = len(E2M1_GRID) - 1  # the magnitude code of 6
 # A block scale rounded to E4M3 (3 mantissa bits) may sit up to 2**-4 below block_amax / 6, which
@@ -45,16 +48,50 @@ def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
     return "\n".join(lines)
 
 
-def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, Dict, None] = None,
-                 role: str = "x_fprop") -> Dict[str, object]:
+@contextlib.contextmanager
+def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
+    """Record the NVFP4 operands each NVFP4Linear of ``model`` uses in the steps run inside the
+    context, as :class:`NVFP4Tensor` s (the last step's, per layer).
+
+    Yields a dict ``{layer fqn: {name: NVFP4Tensor}}`` filled as the steps run: after a forward,
+    ``"w"`` (W as fprop's B, (N, K)), ``"x"`` (X as fprop's A, (M, K)) and, when the token count
+    is a multiple of 16, ``"xt"`` (X^T as wgrad's B: RHT along the tokens, (K, M)); after the
+    backward, ``"dy"`` (dY as dgrad's A, SR) and ``"dyt"`` (dY^T as wgrad's A). Each is quantized
+    again from the step's tensors with the step's specs, RHT signs and SR stream, so it holds the
+    bits the GEMMs used (it costs those quantizations again; eager mode only, not under
+    torch.compile). Outside the context the layers record nothing.
+
+    Example::
+
+        with nvfp4_recipe.capture(model) as ops:
+            loss_fn(model(x)).backward()
+        print(ops["blocks.0.fc1"]["dy"])          # the SR-quantized output gradient
+        nvfp4_recipe.tensor_stats(...)
+    """
+    layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    for layer in layers.values():
+        layer.captured = {}
+    try:
+        yield {fqn: layer.captured for fqn, layer in layers.items()}
+    finally:
+        for layer in layers.values():
+            layer.captured = None
+
+
+def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = None,
+                 role: Union[GemmRole, str] = GemmRole.X_FPROP, *, seed: int = 0, offset: int = 0,
+                 rht_signs: Optional[torch.Tensor] = None,
+                 amax: Optional[torch.Tensor] = None) -> Dict[str, object]:
     """What NVFP4 quantization does to ``x``, read from the quantized result itself (the codes,
     block scales and dequantized values of ``reference.quantize`` / ``reference.dequantize``).
 
     Args:
         x: (..., K) bf16/fp16/fp32 tensor with at least one element, K a multiple of 16.
-        spec: an NVFP4Recipe (the operand ``role`` of its recipe table is used, e.g. "w_fprop",
-            "dy_dgrad"), or a dict of ``reference.quantize`` keyword arguments (block, scaling,
-            rounding, seed, offset, rht_signs, amax_), or None for 1d per-tensor RN.
+        spec: an NVFP4Recipe (the quantization of operand ``role`` of its recipe table, e.g.
+            "w_fprop", "dy_dgrad", with the recipe's RHT signs), a QuantSpec, or None for 1d
+            per-tensor RN.
+        seed, offset: the SR stream (SR specs); rht_signs: the RHT signs of a QuantSpec with RHT
+            (default: TE's vector); amax: an amax to use instead of the measured one.
     Returns:
         dict with
         ``sqnr_db``: 10 log10(|x|^2 / |x - deq(q(x))|^2), summed in float64 (finite for any finite
@@ -70,15 +107,23 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, Dict, None] = None,
         ``scale_histogram``: counts of the exponents of the nonzero block scales, {exponent: count};
         ``amax`` and ``outer_scale`` (float or tensor).
     Raises:
-        TypeError, ValueError: as ``reference.quantize``; ValueError for an empty ``x``.
+        TypeError, ValueError: as ``reference.quantize``; ValueError for an empty ``x``;
+            TypeError for a ``spec`` of another type.
     """
     if x.numel() == 0:
         raise ValueError("tensor_stats: x has no elements")
-    kwargs = _quantize_kwargs(spec, role)
-    block = kwargs.get("block", "1d")
-    ref = R.rht(x, kwargs["rht_signs"]) if kwargs.get("rht_signs") is not None else x.float()
-    data = R.quantize(x, **kwargs)
-    deq = R.dequantize(data, block)
+    if isinstance(spec, NVFP4Recipe):
+        qspec = spec.spec(role)
+        rht_signs = spec.signs() if rht_signs is None else rht_signs
+    elif isinstance(spec, QuantSpec) or spec is None:
+        qspec = spec or QuantSpec()
+        rht_signs = NVFP4Recipe().signs() if rht_signs is None else rht_signs
+    else:
+        raise TypeError(f"tensor_stats takes an NVFP4Recipe, a QuantSpec or None, got {type(spec).__name__}")
+    signs = rht_signs if qspec.rht else None
+    ref = R.rht(x, signs).float() if signs is not None else x.float()
+    data = R.quantize(x, qspec, seed=seed, offset=offset, rht_signs=signs, amax_=amax)
+    deq = R.dequantize(data)
     ref64, deq64 = ref.double(), deq.double()
     err = (ref64 - deq64).square().sum().item()
     sig = ref64.square().sum().item()
@@ -97,24 +142,10 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, Dict, None] = None,
         "saturated": saturated,
         "zero_scale_blocks": (scale == 0).double().mean().item(),
         "scale_histogram": dict(zip(exps.tolist(), counts.tolist())),
-        "amax": _item(R.amax(ref, kwargs.get("scaling", "per_tensor"))),
+        "amax": _item(R.amax(ref, qspec.scaling)),
         "outer_scale": _item(data.outer_scale),
     }
 
 
 def _item(t: torch.Tensor):
     return t.item() if t.dim() == 0 else t
-
-
-def _quantize_kwargs(spec, role: str) -> Dict[str, object]:
-    if spec is None:
-        return {}
-    if isinstance(spec, dict):
-        return dict(spec)
-    if isinstance(spec, NVFP4Recipe):
-        op: OperandSpec = spec.operand(role)
-        return {"block": op.block, "scaling": op.scaling, "rounding": op.rounding,
-                "rht_signs": spec.signs() if op.rht else None}
-    raise TypeError(f"tensor_stats takes an NVFP4Recipe, a dict of quantize options or None, "
-                    f"got {type(spec).__name__}")
-

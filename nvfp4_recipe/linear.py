@@ -1,6 +1,6 @@
 """NVFP4Linear: an nn.Linear whose three GEMMs (fprop, dgrad, wgrad) run in NVFP4.
 
-The recipe table of design.md (after NVIDIA, arXiv 2509.25149, section 4):
+The recipe table of docs/recipe.md (after NVIDIA, arXiv 2509.25149, section 4):
 
     fprop  Y  = X W^T    X: 1D RN             W: 2D (or 1D) RN
     dgrad  dX = dY W     dY: 1D, SR           W^T: the same 2D quantization, transposed
@@ -10,20 +10,68 @@ The weight stays a high-precision master parameter; it is quantized on every for
 keeps the quantized columnwise X^T (and W^T), not the high-precision X.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import ops
-from .backends import get_backend
+from .backends import Backend, get_backend
 from .formats import BLOCK
+from .operand import NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .reference import NVFP4Data
+from .spec import Block, GemmRole
+from .tensor import NVFP4Tensor
 
-__all__ = ["NVFP4Linear"]
+__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads"]
 
 _BUFFERS = ("rht_signs", "sr_seed", "sr_step")
+
+
+def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
+                 need_xt: bool) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand]]:
+    """fprop of an NVFP4 linear: ``Y = Q(X) @ Q(W)^T + bias`` on backend ``be``.
+
+    Args:
+        x: (M, K) activations; weight: W (N, K); bias: None or (N,).
+        signs: (16,) RHT signs of the wgrad copy X^T.
+        need_wt, need_xt: also quantize W^T (K, N) for dgrad and X^T (K, M) for wgrad.
+    Returns:
+        (Y (M, N) of ``out_dtype``, W^T or None, X^T or None): the copies backward keeps, as codes.
+    """
+    w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt)
+    xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP),
+                                 recipe.spec(GemmRole.X_WGRAD) if need_xt else None,
+                                 signs=signs, transient=(True, False))
+    return be.mm(xq, w, bias=bias, out_dtype=out_dtype), wt, xt
+
+
+def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
+                 xt: Optional[NVFP4Operand], recipe: NVFP4Recipe, signs: torch.Tensor,
+                 seed: torch.Tensor, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
+                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dgrad and wgrad of an NVFP4 linear from dY (M, N) on backend ``be``.
+
+    dgrad (with W^T (K, N)): ``dX = Q(dY) @ (W^T)^T``, dY quantized rowwise (SR stream ``seed`` at
+    offset ``SR_OFFSETS[DY_DGRAD]``). wgrad (with X^T (K, M)): ``dW = Q(dY^T) @ (X^T)^T``, dY^T
+    quantized along the tokens (RHT, SR at offset ``SR_OFFSETS[DY_WGRAD]``). Both copies of dY
+    come from one read; X^T is prepared for its GEMM in that pass where the backend can.
+
+    Returns:
+        (dX (M, K) of ``dx_dtype`` or None, dW (N, K) of ``dw_dtype`` or None).
+    """
+    if wt is not None:
+        wt = be.prepare(wt)
+    dyq, dytq, xt = be.quantize_pair(
+        dy, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
+        recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
+        row_offset=SR_OFFSETS[GemmRole.DY_DGRAD], col_offset=SR_OFFSETS[GemmRole.DY_WGRAD],
+        signs=signs, transient=(True, True), prepare=xt)
+    dx = None if dyq is None else be.mm(dyq, wt, out_dtype=dx_dtype)
+    del dyq  # frees dY's copy before the wgrad GEMM
+    dw = None if dytq is None else be.mm(dytq, xt, out_dtype=dw_dtype)
+    return dx, dw
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -41,18 +89,9 @@ def _backend_name(name: str, device: torch.device) -> str:
     return get_backend(name, device).name
 
 
-def _fprop(x2, weight, bias, signs, sr_seed, recipe: NVFP4Recipe, backend: str, out_dtype,
-           need_wt: bool, need_xt: bool):
-    """``ops.linear_fprop`` of the 2-D input x2 (M, K) under ``recipe``: (Y, W^T or None, X^T or
-    None), with the copies for dgrad (W^T) and wgrad (X^T) only where asked for."""
-    return ops.linear_fprop(x2, weight, recipe.operand("w_fprop"), recipe.operand("x_fprop"),
-                            recipe.operand("x_wgrad") if need_xt else None, need_wt, bias,
-                            out_dtype, sr_seed, signs, backend)
-
-
 class _NVFP4LinearFn(torch.autograd.Function):
-    """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (see the module
-    docstring). Returns a fresh tensor, never a view, so that in-place ops on it work."""
+    """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (:func:`linear_fprop`,
+    :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: str,
@@ -63,28 +102,28 @@ class _NVFP4LinearFn(torch.autograd.Function):
                              f"number of tokens (product of the input's leading dims) must be a "
                              f"multiple of {BLOCK}, got {x.shape[0]} (inference under torch.no_grad "
                              f"takes any number)")
-        y, wtq, xtq = _fprop(x, weight, bias, signs, sr_seed, recipe, backend, out_dtype, need_dx,
-                             need_dw)
+        y, wt, xt = ops.fprop(x, weight, bias, recipe, signs, out_dtype, need_dx, need_dw, backend)
         ctx.recipe, ctx.backend = recipe, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(*(wtq or (None,) * 3), *(xtq or (None,) * 3), signs, sr_seed, sr_step)
+        none3 = (None, None, None)
+        ctx.save_for_backward(*(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs,
+                              sr_seed, sr_step)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved = ctx.saved_tensors
-        wtq, xtq, (signs, sr_seed, sr_step) = NVFP4Data(*saved[0:3]), NVFP4Data(*saved[3:6]), saved[6:]
+        signs, sr_seed, sr_step = saved[6:]
+        w_block = Block.D2 if ctx.recipe.weight_2d else Block.D1
+        wt = NVFP4Operand(*saved[0:3], w_block) if saved[0] is not None else None
+        xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None else None
         seed = torch.add(sr_seed, sr_step, alpha=1 << 32)  # one kernel
         sr_step.add_(1)  # a mutation in backward: torch.compile and CUDA graphs keep it
-        recipe, backend = ctx.recipe, ctx.backend
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        row, col = recipe.operand("dy_dgrad"), recipe.operand("dy_wgrad")
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = ops.linear_grads(dy, wtq if need_dx else None, xtq if need_dw else None,
-                                      recipe.operand("w_fprop").block, row, col, ctx.x_dtype,
-                                      ctx.w_dtype, seed, SR_OFFSETS["dy_dgrad"],
-                                      SR_OFFSETS["dy_wgrad"], signs, backend)
+            dx, dw = ops.grads(dy, wt if need_dx else None, xt if need_dw else None, ctx.recipe,
+                               signs, seed, ctx.x_dtype, ctx.w_dtype, ctx.backend)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
@@ -129,6 +168,7 @@ class NVFP4Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = recipe if recipe is not None else NVFP4Recipe()
         self.layer_seed = layer_seed
+        self.captured = None  # a dict while ``inspect.capture`` records this layer
         self._register_recipe_buffers(device)
 
     def _register_recipe_buffers(self, device) -> None:
@@ -195,9 +235,50 @@ class NVFP4Linear(nn.Linear):
                 y = _NVFP4LinearFn.apply(x2, self.weight, self.bias, self.rht_signs, self.sr_seed,
                                          self.sr_step, self.recipe, backend, out_dtype)
             else:
-                y = _fprop(x2, self.weight, self.bias, self.rht_signs, self.sr_seed, self.recipe,
-                           backend, out_dtype, need_wt=False, need_xt=False)[0]
+                y = ops.fprop(x2, self.weight, self.bias, self.recipe, self.rht_signs, out_dtype,
+                              False, False, backend)[0]
+            if self.captured is not None and x2.shape[0]:
+                self._capture(x2, y, backend)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def quantized_weight(self) -> NVFP4Tensor:
+        """The weight as fprop quantizes it (the recipe's W spec, the layer's backend), as an
+        :class:`NVFP4Tensor` of shape (out_features, in_features): for inspection; training
+        quantizes the master weight again on every forward."""
+        backend = _backend_name(self.recipe.backend, self.weight.device)
+        spec = self.recipe.spec(GemmRole.W_FPROP)
+        with torch.no_grad():
+            op = get_backend(backend, self.weight.device).quantize(self.weight, spec)
+        return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
+
+    def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
+        """Record the operands of this step's GEMMs in ``self.captured`` (``inspect.capture``): X,
+        W and X^T now, dY and dY^T when the gradient of ``y`` arrives. They are quantized again with
+        the step's specs, signs and SR stream, so they are the bits the GEMMs used."""
+        be = get_backend(backend, x2.device)
+        signs, r = self.rht_signs, self.recipe
+        x2 = x2.detach()
+
+        def tensor(t, role, **kw):
+            spec = r.spec(role)
+            return NVFP4Tensor.from_operand(be.quantize(t, spec, signs=signs, **kw), spec, t.dtype,
+                                            signs if spec.rht else None, backend)
+
+        with torch.no_grad():
+            self.captured.update(w=self.quantized_weight(), x=tensor(x2, GemmRole.X_FPROP))
+            if x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
+                self.captured.update(xt=tensor(x2.t(), GemmRole.X_WGRAD))
+        if y.requires_grad:
+            seed = torch.add(self.sr_seed, self.sr_step, alpha=1 << 32)  # before backward advances it
+
+            def record_dy(dy):
+                with torch.no_grad():
+                    self.captured.update(
+                        dy=tensor(dy, GemmRole.DY_DGRAD, seed=seed,
+                                  offset=SR_OFFSETS[GemmRole.DY_DGRAD]),
+                        dyt=tensor(dy.t(), GemmRole.DY_WGRAD, seed=seed,
+                                   offset=SR_OFFSETS[GemmRole.DY_WGRAD]))
+            y.register_hook(record_dy)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

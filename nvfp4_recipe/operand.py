@@ -1,7 +1,7 @@
 """NVFP4Operand: the one quantized-operand type of the package.
 
 A leaf module: the reference, the kernels, the backends, the layer and ``NVFP4Tensor`` all pass
-quantized data around as this NamedTuple. Layout (design.md numerics items 1-4): an operand is a
+quantized data around as this NamedTuple. Layout (docs/numerics.md): an operand is a
 (rows, K) matrix with its blocks of 16 along K, the GEMM reduction dimension, so fprop, dgrad and
 wgrad are all ``A @ B^T`` of two such operands and nothing quantized is ever transposed in memory.
 """

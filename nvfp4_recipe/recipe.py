@@ -14,35 +14,12 @@ import torch
 from torchao.core.config import AOBaseConfig
 
 from .formats import BLOCK
+from .spec import Block, GemmRole, QuantSpec, Rounding, Scaling
 
 BACKENDS = ("auto", "reference", "triton", "native")
-# The five quantized operands of one training linear, by GEMM (design.md, "The recipe").
-ROLES = ("x_fprop", "w_fprop", "dy_dgrad", "dy_wgrad", "x_wgrad")
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
 # fewer than 2**35 elements (16 elements per counter).
-SR_OFFSETS = {"dy_dgrad": 0, "dy_wgrad": 2**31}
-
-
-@dataclass(frozen=True)
-class OperandSpec:
-    """How one GEMM operand is quantized: keyword arguments of ``reference.quantize`` minus the
-    stream, plus ``amax_scale`` (estimate the post-RHT amax as amax_scale * amax(x); None = measure)."""
-
-    block: str
-    scaling: str
-    rounding: str
-    rht: bool
-    amax_scale: Optional[float]
-
-    def encode(self) -> str:
-        """A compact string form (custom ops take strings, not dataclasses); see :meth:`decode`."""
-        amax_scale = "" if self.amax_scale is None else repr(self.amax_scale)
-        return f"{self.block}|{self.scaling}|{self.rounding}|{int(self.rht)}|{amax_scale}"
-
-    @classmethod
-    def decode(cls, text: str) -> "OperandSpec":
-        block, scaling, rounding, rht, amax_scale = text.split("|")
-        return cls(block, scaling, rounding, rht == "1", float(amax_scale) if amax_scale else None)
+SR_OFFSETS = {GemmRole.DY_DGRAD: 0, GemmRole.DY_WGRAD: 2**31}
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -140,19 +117,19 @@ class NVFP4Recipe(AOBaseConfig):
                f"must be an int in [0, 2**31), got {self.seed!r}")
         self.keep_first_last, self.seed = int(self.keep_first_last), int(self.seed)
 
-    def operand(self, role: str) -> OperandSpec:
-        """The quantization of one GEMM operand; ``role`` is one of :data:`ROLES`."""
-        if role not in ROLES:
-            raise ValueError(f"unknown operand role {role!r}; expected one of {ROLES}")
-        if role == "w_fprop":
-            return OperandSpec("2d" if self.weight_2d else "1d", "per_tensor", "rn", False, None)
-        grad = role.startswith("dy")
-        wgrad = role.endswith("wgrad")
+    def spec(self, role: GemmRole) -> QuantSpec:
+        """How the operand ``role`` of a linear's three GEMMs is quantized (the table of
+        docs/recipe.md): weights 2d (or 1d) per-tensor RN; activations and gradients 1d with the
+        recipe's scaling, SR on gradients, RHT and amax estimation on the wgrad operands."""
+        role = GemmRole(role)
+        if role is GemmRole.W_FPROP:
+            return QuantSpec(Block.D2 if self.weight_2d else Block.D1)
         amax_scale = None
-        if wgrad and self.amax_estimation is not None:
-            amax_scale = self.amax_estimation[1 if grad else 0]
-        rounding = "sr" if grad and self.stochastic_rounding else "rn"
-        return OperandSpec("1d", self.scaling, rounding, wgrad and self.rht, amax_scale)
+        if role.is_wgrad and self.amax_estimation is not None:
+            amax_scale = self.amax_estimation[1 if role.is_gradient else 0]
+        sr = role.is_gradient and self.stochastic_rounding
+        return QuantSpec(Block.D1, Scaling(self.scaling), Rounding.SR if sr else Rounding.RN,
+                         role.is_wgrad and self.rht, amax_scale)
 
     def signs(self) -> torch.Tensor:
         """The RHT signs as a (16,) float32 tensor (TE's default vector when ``rht_signs`` is None)."""

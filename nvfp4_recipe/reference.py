@@ -162,10 +162,13 @@ def check_input(x: torch.Tensor, spec: QuantSpec) -> None:
 def amax(x: torch.Tensor, scaling: Scaling) -> torch.Tensor:
     """max |x| as float32: a scalar (per tensor) or one per row, shape (..., M) (per token).
 
-    NaN and Inf propagate (spec item 9).
+    NaN and Inf propagate (spec item 9); a tensor (row) without elements has amax 0.
     """
+    per_token = Scaling(scaling) is Scaling.PER_TOKEN
+    if x.numel() == 0:
+        return torch.zeros(x.shape[:-1] if per_token else (), dtype=torch.float32, device=x.device)
     a = x.float().abs()
-    return a.amax(dim=-1) if Scaling(scaling) is Scaling.PER_TOKEN else a.amax()
+    return a.amax(dim=-1) if per_token else a.amax()
 
 
 def encode_scale(amax_: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ class Rounding(str, enum.Enum):
 
 
 class GemmRole(enum.Enum):
-    """The five quantized operands of one training linear (design.md, "The recipe")::
+    """The five quantized operands of one training linear (docs/recipe.md)::
 
         fprop  Y  = X W^T      X_FPROP (A)    W_FPROP (B; dgrad takes its exact transpose)
         dgrad  dX = dY W       DY_DGRAD (A)

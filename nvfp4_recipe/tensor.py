@@ -1,8 +1,9 @@
 """NVFP4Tensor: a tensor subclass holding packed E2M1 codes, E4M3 block scales and an fp32 outer scale.
 
-The data layout is that of ``reference.NVFP4Data`` (design.md, numerics items 1-4). The logical
-tensor is ``dequantize()``; its ``dtype`` is the high-precision dtype it was quantized from. Matmuls
-of two NVFP4Tensors run as NVFP4 GEMMs on the backend for their device (``backends.py``).
+The data layout is that of :class:`operand.NVFP4Operand` (docs/numerics.md). The
+logical tensor is ``dequantize()``; its ``dtype`` is the high-precision dtype it was quantized from.
+Matmuls of two NVFP4Tensors run as NVFP4 GEMMs on the backend the tensor was made with
+(``backends``, resolved for its device).
 """
 
 from typing import Optional
@@ -15,8 +16,9 @@ from torchao.utils import TorchAOBaseTensor
 from . import reference as R
 from .backends import get_backend
 from .formats import BLOCK
-from .recipe import NVFP4Recipe, OperandSpec, parse_signs
-from .reference import NVFP4Data
+from .operand import NVFP4Operand
+from .recipe import NVFP4Recipe, parse_signs
+from .spec import Block, QuantSpec
 
 aten = torch.ops.aten
 
@@ -24,7 +26,7 @@ __all__ = ["NVFP4Tensor"]
 
 
 class NVFP4Tensor(TorchAOBaseTensor):
-    """An NVFP4-quantized tensor (NVIDIA NVFP4 format; design.md numerics items 1-4).
+    """An NVFP4-quantized tensor (NVIDIA NVFP4 format; docs/numerics.md).
 
     Stored (for a tensor of logical shape (..., M, K) quantized along K):
         qdata: uint8 (..., M, K // 2), two E2M1 codes per byte, even element in the low nibble.
@@ -32,8 +34,9 @@ class NVFP4Tensor(TorchAOBaseTensor):
         outer_scale: float32, () per-tensor or (..., M) per-token, equal to amax / (448 * 6).
         rht_signs: (16,) float32 signs if the data holds RHT(x) along K, else None.
     Attributes: ``block`` ("1d"/"2d"), ``scaling``, ``rounding`` ("rn"/"sr"), ``orig_dtype`` (the
-    logical dtype) and ``transposed``: True for the view ``t()`` of a quantized (M, K) tensor, whose
-    logical shape is (K, M) while the blocks still run along the stored last dimension.
+    logical dtype), ``transposed``: True for the view ``t()`` of a quantized (M, K) tensor, whose
+    logical shape is (K, M) while the blocks still run along the stored last dimension, and
+    ``backend``: the backend name its matmuls run on ("auto", "reference", "triton", "native").
 
     Build one with :meth:`from_hp`; inspect it with ``repr``; get a dense tensor with
     :meth:`dequantize`. ``t.to(device)`` keeps it NVFP4; ``t.to(dtype)`` changes only the logical
@@ -41,11 +44,11 @@ class NVFP4Tensor(TorchAOBaseTensor):
     """
 
     tensor_data_names = ["qdata", "scale", "outer_scale"]
-    tensor_attribute_names = ["block", "scaling", "rounding", "orig_dtype", "transposed"]
+    tensor_attribute_names = ["block", "scaling", "rounding", "orig_dtype", "transposed", "backend"]
     optional_tensor_data_names = ["rht_signs"]
 
     def __new__(cls, qdata, scale, outer_scale, block, scaling, rounding, orig_dtype, transposed,
-                rht_signs=None):
+                backend="auto", rht_signs=None):
         shape = list(qdata.shape[:-1]) + [qdata.shape[-1] * 2]
         if transposed:
             shape[-2], shape[-1] = shape[-1], shape[-2]
@@ -53,7 +56,7 @@ class NVFP4Tensor(TorchAOBaseTensor):
                                                    device=qdata.device, requires_grad=False)
 
     def __init__(self, qdata, scale, outer_scale, block, scaling, rounding, orig_dtype, transposed,
-                 rht_signs=None):
+                 backend="auto", rht_signs=None):
         self.qdata = qdata
         self.scale = scale
         self.outer_scale = outer_scale
@@ -62,6 +65,7 @@ class NVFP4Tensor(TorchAOBaseTensor):
         self.rounding = rounding
         self.orig_dtype = orig_dtype
         self.transposed = transposed
+        self.backend = backend
         self.rht_signs = rht_signs
 
     # ------------------------------------------------------------------ construction / export
@@ -93,7 +97,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
             ``rht_signs`` not 16 values +-1 or given with ``rht=False``.
         """
         x = x.detach()
-        R.check_input(x, block, scaling, rounding)
+        spec = QuantSpec(block, scaling, rounding, rht)
+        R.check_input(x, spec)
         if rht_signs is not None and not rht:
             raise ValueError("from_hp: rht_signs given, but rht=False")
         signs = None
@@ -101,25 +106,28 @@ class NVFP4Tensor(TorchAOBaseTensor):
             signs = (NVFP4Recipe().signs() if rht_signs is None else
                      torch.tensor(parse_signs(rht_signs, "from_hp: rht_signs"), dtype=torch.float32))
             signs = signs.to(x.device)
-        if x.numel() == 0:
-            data = _empty_data(x, block, scaling)
-        else:
-            spec = OperandSpec(block, scaling, rounding, rht, None)
-            data = get_backend(backend, x.device).quantize(x, spec, seed, offset, signs)
-        return cls(*data, block, scaling, rounding, x.dtype, False, signs)
+        op = get_backend(backend, x.device).quantize(x, spec, seed=seed, offset=offset, signs=signs)
+        return cls.from_operand(op, spec, x.dtype, signs, backend)
+
+    @classmethod
+    def from_operand(cls, op: NVFP4Operand, spec: QuantSpec, orig_dtype: torch.dtype,
+                     rht_signs: Optional[torch.Tensor] = None, backend: str = "auto") -> "NVFP4Tensor":
+        """Wrap an operand with codes that a backend quantized under ``spec`` (how NVFP4Linear
+        hands out what it used); ``rht_signs`` when the codes hold the RHT of the data."""
+        return cls(op.qdata, op.scale, op.outer_scale, spec.block.value, spec.scaling.value,
+                   spec.rounding.value, orig_dtype, False, backend, rht_signs)
 
     @property
-    def data_(self) -> NVFP4Data:
-        return NVFP4Data(self.qdata, self.scale, self.outer_scale)
+    def operand(self) -> NVFP4Operand:
+        """The stored data as an :class:`NVFP4Operand` (blocks along the stored last dimension)."""
+        return NVFP4Operand(self.qdata, self.scale, self.outer_scale, Block(self.block))
 
     def dequantize(self, output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The dense tensor (in the RHT domain if the data went through the RHT), logical shape.
 
         Returns ``codes * block_scale * outer_scale`` in ``output_dtype`` (default: ``self.dtype``).
         """
-        if self.numel() == 0:  # nothing to unpack
-            return self.qdata.new_empty(self.shape, dtype=output_dtype or self.orig_dtype)
-        x = R.dequantize(self.data_, self.block)
+        x = R.dequantize(self.operand)
         if self.transposed:
             x = x.transpose(-2, -1)
         return x.to(output_dtype or self.orig_dtype)
@@ -132,18 +140,18 @@ class NVFP4Tensor(TorchAOBaseTensor):
                            self.scale if scale is None else scale,
                            self.outer_scale if outer_scale is None else outer_scale,
                            kw["block"], kw["scaling"], kw["rounding"], kw["orig_dtype"],
-                           kw["transposed"], self.rht_signs)
+                           kw["transposed"], kw["backend"], self.rht_signs)
 
-    def gemm_operand(self) -> NVFP4Data:
+    def gemm_operand(self) -> NVFP4Operand:
         """This tensor as a GEMM operand with blocks along its logical reduction dim (the last).
 
         A 2d tensor in the transposed view is transposed exactly (codes and scales moved, no
         requantization). Raises ``ValueError`` for a 1d tensor whose blocks run along the other dim.
         """
         if not self.transposed:
-            return self.data_
+            return self.operand
         if self.block == "2d":
-            return R.transpose_2d(self.data_)
+            return R.transpose_2d(self.operand)
         raise ValueError("a transposed 1d NVFP4Tensor has its blocks along the wrong dimension for "
                          "this operand position; quantize the transpose instead")
 
@@ -174,19 +182,9 @@ class NVFP4Tensor(TorchAOBaseTensor):
         row = self.qdata.reshape(-1, self.qdata.shape[-1])[:1, :BLOCK // 2]
         scale = self.scale.reshape(-1, self.scale.shape[-1])[:1, :1]
         outer = self.outer_scale.reshape(-1)[:1]
-        vals = R.dequantize(NVFP4Data(row, scale, outer.reshape(()) if self.scaling == "per_tensor"
-                                      else outer), "1d")
+        vals = R.dequantize(NVFP4Operand(row, scale, outer.reshape(()) if self.scaling == "per_tensor"
+                                         else outer))
         return "[" + ", ".join(f"{v:.4g}" for v in vals.reshape(-1)[:8].tolist()) + "]"
-
-
-def _empty_data(x: torch.Tensor, block: str, scaling: str) -> NVFP4Data:
-    """The quantization of an ``x`` with no elements, where there is no amax to take: empty codes
-    and block scales, and a zero outer scale (as for an all-zero tensor, numerics item 10)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    scale_shape = (x.shape[0] // BLOCK, k // BLOCK) if block == "2d" else (*lead, k // BLOCK)
-    return NVFP4Data(x.new_empty((*lead, k // 2), dtype=torch.uint8),
-                     x.new_empty(scale_shape, dtype=torch.float8_e4m3fn),
-                     x.new_zeros(lead if scaling == "per_token" else (), dtype=torch.float32))
 
 
 implements = NVFP4Tensor.implements
@@ -214,10 +212,8 @@ def _mm(a: NVFP4Tensor, b: NVFP4Tensor, bias: Optional[torch.Tensor] = None) -> 
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"mm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
     b_rows = b._with(transposed=not b.transposed)  # (N, K), blocks must run along K
-    backend = get_backend("auto", a.device)
-    return backend.scaled_mm(a.gemm_operand(), b_rows.gemm_operand(),
-                             a_block=a.block, b_block=b.block,
-                             bias=bias, out_dtype=a.orig_dtype)
+    backend = get_backend(a.backend, a.device)
+    return backend.mm(a.gemm_operand(), b_rows.gemm_operand(), bias=bias, out_dtype=a.orig_dtype)
 
 
 @implements(aten.mm.default)

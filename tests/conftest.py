@@ -30,5 +30,5 @@ def without_triton_interpreter(monkeypatch):
     """TRITON_INTERPRET unset, as outside the tests on a CPU-only machine, where the Triton
     backend cannot run. The backend is imported first, under the interpreter: Triton and the
     kernels read the flag once, at import, and later tests still use the interpreter."""
-    import nvfp4_recipe.triton_backend  # noqa: F401
+    import nvfp4_recipe.backends.triton  # noqa: F401
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

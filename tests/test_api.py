@@ -166,7 +166,7 @@ def test_tensor_stats_at_extreme_scales():
 def test_tensor_stats_reports_saturation_under_an_underestimated_amax():
     torch.manual_seed(0)
     x = torch.randn(64, 64)
-    stats = nr.tensor_stats(x, {"amax_": x.abs().amax() / 4})  # block scales clamp at 448
+    stats = nr.tensor_stats(x, amax=x.abs().amax() / 4)  # block scales clamp at 448
     deq = R.dequantize(R.quantize(x, amax_=x.abs().amax() / 4))
     clipped = (x.abs() > 1.125 * deq.abs()) & (deq.abs() == deq.abs().amax())
     assert stats["saturated"] == clipped.double().mean().item() > 0.05

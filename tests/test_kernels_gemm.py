@@ -31,6 +31,9 @@ import torch
 
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.kernels import gemm as G
+from nvfp4_recipe.kernels.dequantize import dequantize_inner
+from nvfp4_recipe.operand import NVFP4Operand
+from nvfp4_recipe.spec import Block, QuantSpec
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # The small-shape tests run under the interpreter on CPU and compiled on a GPU when there is one.
@@ -39,35 +42,40 @@ HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11
 LAYOUTS = ("fprop_2d", "fprop_1d", "dgrad", "wgrad")
 
 
-def error_bound(a: R.NVFP4Data, b: R.NVFP4Data, a_block: str, b_block: str, ref: torch.Tensor,
-                bias, out_dtype) -> torch.Tensor:
+def error_bound(a: NVFP4Operand, b: NVFP4Operand, ref: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     """Elementwise bound on |kernel - reference| (module docstring), float64 (M, N)."""
-    a_in = R.dequantize_inner(a.qdata, a.scale, a_block).double()
-    b_in = R.dequantize_inner(b.qdata, b.scale, b_block).double()
-    s_a = a.outer_scale.double().abs()
-    s_b = b.outer_scale.double().abs()
+    a_in = R.dequantize_inner(_cpu(a)).double()
+    b_in = R.dequantize_inner(_cpu(b)).double()
+    s_a = a.outer_scale.double().abs().cpu()
+    s_b = b.outer_scale.double().abs().cpu()
     s = (s_a[:, None] if s_a.dim() else s_a) * (s_b[None, :] if s_b.dim() else s_b)
     k = a_in.shape[1]
     gamma = k * 2.0**-23 / (1 - k * 2.0**-23)
     ref = ref.double().abs()
-    bias_abs = bias.double().abs() if bias is not None else 0.0
+    bias_abs = bias.double().abs().cpu() if bias is not None else 0.0
     delta = 2 * gamma * s * (a_in.abs() @ b_in.abs().t()) + 4 * 2.0**-24 * (ref + bias_abs)
     return delta + HALF_ULP[out_dtype] * (ref + delta) + 1e-30
 
 
-def assert_matches_reference(out, a, b, a_block="1d", b_block="1d", bias=None,
-                             out_dtype=torch.bfloat16):
-    ref = R.scaled_mm(a, b, a_block=a_block, b_block=b_block, bias=bias, out_dtype=torch.float32)
+def _cpu(op: NVFP4Operand) -> NVFP4Operand:
+    return op._replace(qdata=op.qdata.cpu(), scale=op.scale.cpu(), outer_scale=op.outer_scale.cpu())
+
+
+def assert_matches_reference(out, a, b, bias=None, out_dtype=torch.bfloat16):
+    bias_cpu = None if bias is None else bias.cpu()
+    ref = R.scaled_mm(_cpu(a), _cpu(b), bias=bias_cpu, out_dtype=torch.float32)
+    out = out.cpu()
     assert out.dtype == out_dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
     err = (out.double() - ref.double()).abs()
-    bound = error_bound(a, b, a_block, b_block, ref, bias, out_dtype)
+    bound = error_bound(a, b, ref, bias_cpu, out_dtype)
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"error exceeds the bound by a factor {worst:.3g}"
 
 
-def run_gemm(a, b, a_block="1d", b_block="1d", **kwargs):
-    return G.scaled_mm(*a, *b, a_block=a_block, b_block=b_block, **kwargs)
+def inner(op: NVFP4Operand) -> NVFP4Operand:
+    """The operand as inner values (what the quantize kernels write for a GEMM that uses it at once)."""
+    return op._replace(qdata=None, scale=None, values=dequantize_inner(op, torch.float16))
 
 
 def random_operand(rows, k, block="1d", per_token=False, device="cpu", gen=None, outer=1e-3):
@@ -78,12 +86,12 @@ def random_operand(rows, k, block="1d", per_token=False, device="cpu", gen=None,
     srows = rows // 16 if block == "2d" else rows
     s = torch.exp2(torch.rand(srows, k // 16, generator=gen) * 17.8 - 9).to(torch.float8_e4m3fn)
     outer = (torch.rand(rows if per_token else (), generator=gen) + 0.5) * outer
-    return R.NVFP4Data(q.to(device), s.to(device), outer.float().to(device))
+    return NVFP4Operand(q.to(device), s.to(device), outer.float().to(device), Block(block))
 
 
 def layout_operands(layout: str, m: int, n: int, k: int, scaling: str, device="cpu", gen=None):
-    """(A, a_block, B, b_block) of one training GEMM of a linear layer X (m, k) -> Y (m, n), from
-    random data quantized by the reference, in the layouts the quantize kernels write.
+    """(A, B) of one training GEMM of a linear layer X (m, k) -> Y (m, n), from random data
+    quantized by the reference, in the layouts the quantize kernels write.
 
     fprop D = X W^T: A = X (m, k), B = W (n, k), 2d or 1d. dgrad D = dY W: A = dY (m, n),
     B = W^T (k, n) packed along n (the exact transpose of the 2d W). wgrad D = dY^T X:
@@ -92,41 +100,35 @@ def layout_operands(layout: str, m: int, n: int, k: int, scaling: str, device="c
     x = torch.randn(m, k, generator=gen).to(device)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(device)
     dy = (torch.randn(m, n, generator=gen) * 1e-3).to(device)
-    q = lambda t, block="1d": R.quantize(t, block=block, scaling="per_tensor" if block == "2d" else scaling)
+    q = lambda t, block="1d": R.quantize(t, QuantSpec(block, "per_tensor" if block == "2d" else scaling))
     if layout == "fprop_2d":
-        return q(x), "1d", q(w, "2d"), "2d"
+        return q(x), q(w, "2d")
     if layout == "fprop_1d":
-        return q(x), "1d", q(w), "1d"
+        return q(x), q(w)
     if layout == "dgrad":
-        return q(dy), "1d", R.transpose_2d(q(w, "2d")), "2d"
+        return q(dy), R.transpose_2d(q(w, "2d"))
     if layout == "wgrad":
-        return q(dy.t()), "1d", q(x.t()), "1d"
+        return q(dy.t()), q(x.t())
     raise ValueError(layout)
 
 
 # ------------------------------------------------------------------------------------------------
 # Small shapes: the kernel logic under the interpreter on CPU (compiled on a GPU machine)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block", ["1d", "2d"])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_dequantize_inner_is_exact(block, out_dtype):
-    gen = torch.Generator().manual_seed(1)
-    op = random_operand(48, 160, block, device=DEV, gen=gen)  # 80 bytes a row: a partial tile
-    out = G.dequantize_inner(op.qdata, op.scale, block, out_dtype=out_dtype)
-    ref = R.dequantize_inner(op.qdata, op.scale, block)
-    assert out.dtype == out_dtype
-    assert torch.equal(out.float(), ref.to(out.device))
-
-
 @pytest.mark.parametrize("method", G.METHODS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
-def test_training_layouts_match_reference(method, layout, scaling):
+@pytest.mark.parametrize("form", ["codes", "inner"])
+def test_training_layouts_match_reference(method, layout, scaling, form):
+    """Each GEMM of a linear, from codes (one dequantize pass each) and from inner values."""
     gen = torch.Generator().manual_seed(2)
-    a, a_block, b, b_block = layout_operands(layout, 48, 80, 96, scaling, device=DEV, gen=gen)
-    bias = torch.randn(b.qdata.shape[0], generator=gen).to(DEV) if layout == "fprop_2d" else None
-    out = run_gemm(a, b, a_block, b_block, bias=bias, out_dtype=torch.float32, method=method)
-    assert_matches_reference(out, a, b, a_block, b_block, bias, torch.float32)
+    a, b = layout_operands(layout, 48, 80, 96, scaling, device=DEV, gen=gen)
+    bias = torch.randn(b.rows, generator=gen).to(DEV) if layout == "fprop_2d" else None
+    ga, gb = (inner(a), inner(b)) if form == "inner" else (a, b)
+    out = G.scaled_mm(ga, gb, bias=bias, out_dtype=torch.float32, method=method)
+    assert_matches_reference(out, a, b, bias, torch.float32)
+    if form == "inner":  # the same bits as from codes
+        assert torch.equal(out, G.scaled_mm(a, b, bias=bias, out_dtype=torch.float32, method=method))
 
 
 @pytest.mark.parametrize("method", G.METHODS)
@@ -136,20 +138,20 @@ def test_random_encodings_ragged_shape_with_bias(method, out_dtype):
     a = random_operand(40, 160, per_token=True, device=DEV, gen=gen)  # M, N not tile multiples
     b = random_operand(48, 160, "2d", device=DEV, gen=gen)
     bias = torch.randn(48, generator=gen).to(DEV, torch.bfloat16)
-    out = run_gemm(a, b, "1d", "2d", bias=bias, out_dtype=out_dtype, method=method)
-    assert_matches_reference(out, a, b, "1d", "2d", bias, out_dtype)
+    out = G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype, method=method)
+    assert_matches_reference(out, a, b, bias, out_dtype)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_bound_rejects_a_missing_block(out_dtype):
     """The tolerance is tight enough to catch one dropped 16-element block out of K = 1024."""
     gen = torch.Generator().manual_seed(8)
-    a, a_block, b, b_block = layout_operands("fprop_2d", 64, 64, 1024, "per_tensor", gen=gen)
+    a, b = layout_operands("fprop_2d", 64, 64, 1024, "per_tensor", gen=gen)
     a_cut = a._replace(qdata=a.qdata.clone())
     a_cut.qdata[:, -8:] = 0
-    wrong = R.scaled_mm(a_cut, b, a_block=a_block, b_block=b_block, out_dtype=out_dtype)
+    wrong = R.scaled_mm(a_cut, b, out_dtype=out_dtype)
     with pytest.raises(AssertionError, match="exceeds the bound"):
-        assert_matches_reference(wrong, a, b, a_block, b_block, None, out_dtype)
+        assert_matches_reference(wrong, a, b, None, out_dtype)
 
 
 def test_default_method_and_float4_dtype():
@@ -157,9 +159,8 @@ def test_default_method_and_float4_dtype():
     a = random_operand(32, 64, device=DEV, gen=gen)
     b = random_operand(16, 64, device=DEV, gen=gen)
     fp4 = getattr(torch, "float4_e2m1fn_x2", None)
-    qa = a.qdata.view(fp4) if fp4 is not None else a.qdata
-    out = G.scaled_mm(qa, a.scale, a.outer_scale, *b)
-    assert_matches_reference(out, a, b)
+    qa = a._replace(qdata=a.qdata.view(fp4)) if fp4 is not None else a
+    assert_matches_reference(G.scaled_mm(qa, b), a, b)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy
@@ -171,7 +172,7 @@ def test_non_finite_outer_scale_propagates(method):
     outer = a.outer_scale.clone()
     outer[3] = float("nan")
     outer[7] = float("inf")
-    out = G.scaled_mm(a.qdata, a.scale, outer, *b, method=method, out_dtype=torch.float32)
+    out = G.scaled_mm(a._replace(outer_scale=outer), b, method=method, out_dtype=torch.float32)
     assert torch.isnan(out[3]).all()
     assert not torch.isfinite(out[7]).any()
     mask = torch.ones(32, dtype=torch.bool, device=DEV)
@@ -183,85 +184,60 @@ def test_empty_dimensions():
     gen = torch.Generator().manual_seed(6)
     a = random_operand(0, 64, device=DEV, gen=gen)
     b = random_operand(16, 64, device=DEV, gen=gen)
-    assert G.scaled_mm(*a, *b).shape == (0, 16)
+    assert G.scaled_mm(a, b).shape == (0, 16)
     a = random_operand(16, 0, device=DEV, gen=gen)
     b = random_operand(8, 0, device=DEV, gen=gen)
     bias = torch.randn(8, generator=gen).to(DEV)
-    out = G.scaled_mm(*a, *b, bias=bias, out_dtype=torch.float32)
+    out = G.scaled_mm(a, b, bias=bias, out_dtype=torch.float32)
     assert torch.equal(out, bias.expand(16, 8))
 
 
-def _ops(**overrides):
+def _ops():
     gen = torch.Generator().manual_seed(7)
-    a = random_operand(32, 64, gen=gen)
-    b = random_operand(16, 64, gen=gen)
-    args = dict(a_qdata=a.qdata, a_scale=a.scale, a_outer=a.outer_scale, b_qdata=b.qdata,
-                b_scale=b.scale, b_outer=b.outer_scale)
-    args.update(overrides)
-    return args
+    return random_operand(32, 64, gen=gen), random_operand(16, 64, gen=gen)
 
 
-@pytest.mark.parametrize("overrides, error, match", [
-    (dict(b_qdata=torch.zeros(16, 40, dtype=torch.uint8), b_scale=torch.zeros(16, 5).to(torch.float8_e4m3fn)),
-     ValueError, "K mismatch"),
-    (dict(a_qdata=torch.zeros(32, 32)), TypeError, "uint8"),
-    (dict(a_scale=torch.zeros(32, 4, dtype=torch.uint8)), TypeError, "float8_e4m3fn"),
-    (dict(a_outer=torch.ones((), dtype=torch.float64)), TypeError, "float32"),
-    (dict(a_outer=torch.ones(5)), ValueError, "outer scale"),
-    (dict(a_qdata=torch.zeros(32, 4, dtype=torch.uint8), a_scale=torch.zeros(32, 0).to(torch.float8_e4m3fn)),
-     ValueError, "multiple of 16"),
-    (dict(a_scale=torch.zeros(32, 3).to(torch.float8_e4m3fn)), ValueError, "shape"),
-    (dict(a_qdata=torch.zeros(64, 32, dtype=torch.uint8).t(),
-          a_scale=torch.zeros(32, 8).to(torch.float8_e4m3fn)), ValueError, "contiguous along K"),
-    (dict(a_outer=torch.ones((), device="meta")), ValueError, "meta"),
-    (dict(b_qdata=torch.zeros(16, 32, dtype=torch.uint8, device="meta"),
-          b_scale=torch.zeros(16, 4, device="meta").to(torch.float8_e4m3fn),
-          b_outer=torch.ones((), device="meta")), ValueError, "B on meta"),
+_A, _B = _ops()
+_META = dict(device="meta")
+
+
+@pytest.mark.parametrize("a, b, error, match", [
+    (_A, NVFP4Operand(torch.zeros(16, 40, dtype=torch.uint8), torch.zeros(16, 5).to(torch.float8_e4m3fn),
+                      _B.outer_scale), ValueError, "K mismatch"),
+    (_A._replace(qdata=torch.zeros(32, 32)), _B, TypeError, "uint8"),
+    (_A._replace(scale=torch.zeros(32, 4, dtype=torch.uint8)), _B, TypeError, "float8_e4m3fn"),
+    (_A._replace(outer_scale=torch.ones((), dtype=torch.float64)), _B, TypeError, "float32"),
+    (_A._replace(outer_scale=torch.ones(5)), _B, ValueError, "outer scale"),
+    (_A._replace(qdata=torch.zeros(32, 4, dtype=torch.uint8), scale=torch.zeros(32, 0).to(torch.float8_e4m3fn)),
+     _B, ValueError, "multiple of 16"),
+    (_A._replace(scale=torch.zeros(32, 3).to(torch.float8_e4m3fn)), _B, ValueError, "shape"),
+    (_A._replace(qdata=torch.zeros(64, 32, dtype=torch.uint8).t(), scale=torch.zeros(32, 8).to(torch.float8_e4m3fn)),
+     _B, ValueError, "contiguous along K"),
+    (_A._replace(outer_scale=torch.ones((), **_META)), _B, ValueError, "meta"),
+    (_A, NVFP4Operand(torch.zeros(16, 32, dtype=torch.uint8, **_META),
+                      torch.zeros(16, 4, **_META).to(torch.float8_e4m3fn), torch.ones((), **_META)),
+     ValueError, "B on meta"),
+    (_A._replace(qdata=torch.zeros(8, 32, dtype=torch.uint8), scale=torch.zeros(0, 4).to(torch.float8_e4m3fn),
+                 block=Block.D2), _B, ValueError, "2d blocks need rows"),
+    (_A, _B._replace(block="3d"), ValueError, "block must be"),
+    (_A._replace(qdata=None, scale=None), _B, ValueError, "no codes"),
+    (_A._replace(values=torch.zeros(32, 64, dtype=torch.bfloat16)), _B, TypeError, "float16"),
+    (_A._replace(values=torch.zeros(64, 32, dtype=torch.float16).t()), _B, ValueError, "contiguous"),
+    (_A._replace(values=torch.zeros(32, 40, dtype=torch.float16)), _B, ValueError, "multiple of 16"),
 ])
-def test_bad_input_raises(overrides, error, match):
+def test_bad_input_raises(a, b, error, match):
     with pytest.raises(error, match=match):
-        G.scaled_mm(**_ops(**overrides))
-
-
-@pytest.mark.parametrize("method", G.METHODS[1:])
-def test_inner_mm_equals_scaled_mm(method):
-    """inner_mm on dequantized operands is the second pass of the two-pass methods: the same bits."""
-    gen = torch.Generator().manual_seed(15)
-    a = random_operand(48, 96, per_token=True, device=DEV, gen=gen)
-    b = random_operand(32, 96, "2d", device=DEV, gen=gen)
-    bias = torch.randn(32, generator=gen).to(DEV)
-    a16 = G.dequantize_inner(a.qdata, a.scale, "1d", torch.float16)
-    b16 = G.dequantize_inner(b.qdata, b.scale, "2d", torch.float16)
-    out = G.inner_mm(a16, a.outer_scale, b16, b.outer_scale, bias=bias, method=method)
-    assert torch.equal(out, run_gemm(a, b, "1d", "2d", bias=bias, method=method))
-
-
-def test_inner_mm_bad_input_raises():
-    v, o = torch.zeros(32, 64, dtype=torch.float16), torch.ones(())
-    with pytest.raises(TypeError, match="float16"):
-        G.inner_mm(v.bfloat16(), o, v, o)
-    with pytest.raises(ValueError, match="contiguous"):
-        G.inner_mm(torch.zeros(64, 32, dtype=torch.float16).t(), o, v, o)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        G.inner_mm(v[:, :40], o, v[:, :40], o)
-    with pytest.raises(ValueError, match="K mismatch"):
-        G.inner_mm(v, o, v[:, :48].contiguous(), o)
-    with pytest.raises(ValueError, match="method"):
-        G.inner_mm(v, o, v, o, method="fused")
+        G.scaled_mm(a, b)
 
 
 def test_bad_options_raise():
-    with pytest.raises(ValueError, match="2d blocks need rows"):
-        G.scaled_mm(**_ops(a_qdata=torch.zeros(8, 32, dtype=torch.uint8),
-                           a_scale=torch.zeros(0, 4).to(torch.float8_e4m3fn)), a_block="2d")
-    with pytest.raises(ValueError, match="block must be"):
-        G.scaled_mm(**_ops(), b_block="3d")
+    a, b = _ops()
     with pytest.raises(ValueError, match="bias"):
-        G.scaled_mm(**_ops(), bias=torch.zeros(15))
+        G.scaled_mm(a, b, bias=torch.zeros(15))
     with pytest.raises(TypeError, match="out_dtype"):
-        G.scaled_mm(**_ops(), out_dtype=torch.int32)
+        G.scaled_mm(a, b, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="method"):
-        G.scaled_mm(**_ops(), method="magic")
+        G.scaled_mm(a, b, method="fused")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,11 +253,12 @@ GPU_SHAPES = [(272, 208, 400), (1024, 768, 2048)]  # (tokens, out features, in f
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_training_layouts(device, method, layout, scaling, shape):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((method, layout, scaling, shape)).encode()))
-    a, a_block, b, b_block = layout_operands(layout, *shape, scaling, device=device, gen=gen)
-    bias = torch.randn(b.qdata.shape[0], generator=gen).to(device, torch.bfloat16)
+    a, b = layout_operands(layout, *shape, scaling, device=device, gen=gen)
+    bias = torch.randn(b.rows, generator=gen).to(device, torch.bfloat16)
     out_dtype = torch.bfloat16 if scaling == "per_tensor" else torch.float32
-    out = run_gemm(a, b, a_block, b_block, bias=bias, out_dtype=out_dtype, method=method)
-    assert_matches_reference(out, a, b, a_block, b_block, bias, out_dtype)
+    out = G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype, method=method)
+    assert_matches_reference(out, a, b, bias, out_dtype)
+    assert torch.equal(out, G.scaled_mm(inner(a), inner(b), bias=bias, out_dtype=out_dtype, method=method))
 
 
 @pytest.mark.cuda
@@ -290,8 +267,8 @@ def test_gpu_random_encodings(device, method):
     gen = torch.Generator().manual_seed(11)
     a = random_operand(1040, 1552, per_token=True, device=device, gen=gen)
     b = random_operand(784, 1552, "2d", device=device, gen=gen)
-    out = run_gemm(a, b, "1d", "2d", method=method, out_dtype=torch.float16)
-    assert_matches_reference(out, a, b, "1d", "2d", None, torch.float16)
+    out = G.scaled_mm(a, b, method=method, out_dtype=torch.float16)
+    assert_matches_reference(out, a, b, None, torch.float16)
 
 
 @pytest.mark.cuda
@@ -306,8 +283,8 @@ def test_gpu_tile_config_by_k(device, k):
     a = random_operand(1040, k, per_token=True, device=device, gen=gen)
     b = random_operand(784, k, device=device, gen=gen)
     for out_dtype in (torch.bfloat16, torch.float32):
-        out = run_gemm(a, b, method="dequant_triton", out_dtype=out_dtype)
-        assert_matches_reference(out, a, b, "1d", "1d", None, out_dtype)
+        out = G.scaled_mm(a, b, method="triton", out_dtype=out_dtype)
+        assert_matches_reference(out, a, b, None, out_dtype)
 
 
 @pytest.mark.cuda
@@ -315,29 +292,18 @@ def test_gpu_machine_refuses_cpu_tensors_outside_the_interpreter():
     if INTERPRETING:
         pytest.skip("the interpreter runs CPU tensors")
     with pytest.raises(ValueError, match="CUDA tensors"):
-        G.scaled_mm(**_ops())
+        G.scaled_mm(*_ops())
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("block", ["1d", "2d"])
-def test_gpu_dequantize_exact(device, block):
-    gen = torch.Generator().manual_seed(12)
-    op = random_operand(528, 1040, block, device=device, gen=gen)
-    ref = R.dequantize_inner(op.qdata, op.scale, block)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert torch.equal(G.dequantize_inner(op.qdata, op.scale, block, dtype).float(), ref)
-
-
-@pytest.mark.cuda
-def test_gpu_fused_kernel_uses_wgmma_on_sm90(device):
+def test_gpu_gemm_uses_wgmma_on_sm90(device):
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("wgmma is an sm90 instruction")
     gen = torch.Generator().manual_seed(13)
     a = random_operand(256, 256, device=device, gen=gen)
     b = random_operand(256, 256, device=device, gen=gen)
-    for method in ("fused", "dequant_triton"):
-        run_gemm(a, b, method=method)
-        assert "wgmma.mma_async" in G.LAST_KERNEL[method].asm["ptx"]
+    G.scaled_mm(a, b, method="triton")
+    assert "wgmma.mma_async" in G.LAST_KERNEL["triton"].asm["ptx"]
 
 
 @pytest.mark.cuda
@@ -346,10 +312,10 @@ def test_gpu_auto_method_splits_small_outputs_to_cublas(device):
     stays on the persistent Triton GEMM (sm90+). Both give the reference's numbers."""
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("the TMA GEMM is sm90+")
-    assert G.default_method(16384, 4096, 4096, torch.device(device)) == "dequant_triton"
-    assert G.default_method(512, 512, 32768, torch.device(device)) == "dequant_cublas"
+    assert G.default_method(16384, 4096, 4096, torch.device(device)) == "triton"
+    assert G.default_method(512, 512, 32768, torch.device(device)) == "cublas"
     gen = torch.Generator().manual_seed(14)
     a = random_operand(256, 8192, device=device, gen=gen)
     b = random_operand(128, 8192, device=device, gen=gen)
-    out = G.scaled_mm(*a, *b, out_dtype=torch.float32)
-    assert_matches_reference(out, a, b, "1d", "1d", None, torch.float32)
+    out = G.scaled_mm(a, b, out_dtype=torch.float32)
+    assert_matches_reference(out, a, b, None, torch.float32)

@@ -1,14 +1,17 @@
 """NVFP4Linear against a float64 emulation of the recipe, training, checkpoints and torch.compile."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
+import nvfp4_recipe as nr
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe, dequantize_, quantize_
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.recipe import SR_OFFSETS
+from nvfp4_recipe.spec import Block, GemmRole, QuantSpec
 
 RECIPES = {
     "default": NVFP4Recipe(),
@@ -19,26 +22,26 @@ RECIPES = {
 
 
 def emulate(layer: NVFP4Linear, x: torch.Tensor, dy: torch.Tensor, step: int):
-    """The recipe table of design.md evaluated with reference quantization and float64 GEMMs."""
+    """The recipe table of docs/recipe.md evaluated with reference quantization and float64 GEMMs."""
     r = layer.recipe
     seed = int(layer.sr_seed) + (step << 32)
     signs = layer.rht_signs
     x2, dy2, w = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), layer.weight.detach()
 
     def q(t, role, offset=0):
-        op = r.operand(role)
+        spec = r.spec(role)
         amax_ = None
-        if op.amax_scale is not None:
-            amax_ = op.amax_scale * R.amax(t, op.scaling)
-        d = R.quantize(t, block=op.block, scaling=op.scaling, rounding=op.rounding, seed=seed,
-                       offset=offset, rht_signs=signs if op.rht else None, amax_=amax_)
-        return R.dequantize(d, op.block).double()
+        if spec.amax_scale is not None:  # the estimate: amax_scale times the amax before the RHT
+            amax_ = spec.amax_scale * R.amax(t, spec.scaling)
+        d = R.quantize(t, spec, seed=seed, offset=offset, rht_signs=signs, amax_=amax_)
+        return R.dequantize(d).double()
 
-    wq = q(w, "w_fprop")
-    wtq = wq.t() if r.weight_2d else q(w.t(), "w_fprop")
-    y = q(x2, "x_fprop") @ wq.t() + layer.bias.double()
-    dx = q(dy2, "dy_dgrad", SR_OFFSETS["dy_dgrad"]) @ wtq.t()
-    dw = q(dy2.t(), "dy_wgrad", SR_OFFSETS["dy_wgrad"]) @ q(x2.t(), "x_wgrad").t()
+    wq = q(w, GemmRole.W_FPROP)
+    wtq = wq.t() if r.weight_2d else q(w.t(), GemmRole.W_FPROP)
+    y = q(x2, GemmRole.X_FPROP) @ wq.t() + layer.bias.double()
+    dx = q(dy2, GemmRole.DY_DGRAD, SR_OFFSETS[GemmRole.DY_DGRAD]) @ wtq.t()
+    dw = (q(dy2.t(), GemmRole.DY_WGRAD, SR_OFFSETS[GemmRole.DY_WGRAD])
+          @ q(x2.t(), GemmRole.X_WGRAD).t())
     return y.reshape(*x.shape[:-1], -1), dx.reshape(x.shape), dw
 
 
@@ -193,31 +196,23 @@ def test_gpu_triton_layer_matches_reference_backend(name, device):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_eager_calls_equal_the_custom_ops(backend):
-    """In eager mode ``ops`` calls the backend directly (the custom ops' dispatch costs host
-    time); the custom ops that torch.compile traces must return the same bits."""
+    """In eager mode ``ops.fprop`` / ``ops.grads`` call the layer's functions directly (a custom
+    op's dispatch costs host time); the custom ops that torch.compile traces must return the same
+    bits."""
     from nvfp4_recipe import ops
 
     torch.manual_seed(0)
     r = NVFP4Recipe(backend=backend)
     x, w, dy = torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)
     seed, signs = torch.tensor(7 + (3 << 32)), r.signs()
-    ws, xs, xts = r.operand("w_fprop"), r.operand("x_fprop"), r.operand("x_wgrad")
-    dys, dyts = r.operand("dy_dgrad"), r.operand("dy_wgrad")
-    offsets = SR_OFFSETS["dy_dgrad"], SR_OFFSETS["dy_wgrad"]
 
-    def run(custom_ops: bool):
-        """The two wrappers, called as in eager mode or through their custom ops (the wrapped
-        functions, what torch.compile traces)."""
-        call = {f: getattr(ops, f).__wrapped__ if custom_ops else getattr(ops, f)
-                for f in ("linear_fprop", "linear_grads")}
-        y, wtq, xtq = call["linear_fprop"](x, w, ws, xs, xts, True, None, torch.float32, seed,
-                                           signs, backend)
-        y_eval, no_wt, no_xt = call["linear_fprop"](x, w, ws, xs, None, False, None,
-                                                    torch.float32, seed, signs, backend)
-        assert no_wt is None and no_xt is None and torch.equal(y_eval, y)
-        grads = call["linear_grads"](dy, wtq, xtq, ws.block, dys, dyts, torch.float32,
-                                     torch.float32, seed, *offsets, signs, backend)
-        return [y, y_eval, *wtq, *xtq, *grads]
+    def run(compiling: bool):
+        with mock.patch.object(torch.compiler, "is_compiling", lambda: compiling):
+            y, wt, xt = ops.fprop(x, w, None, r, signs, torch.float32, True, True, backend)
+            y_eval, no_wt, no_xt = ops.fprop(x, w, None, r, signs, torch.float32, False, False, backend)
+            assert no_wt is None and no_xt is None and torch.equal(y_eval, y)
+            grads = ops.grads(dy, wt, xt, r, signs, seed, torch.float32, torch.float32, backend)
+        return [y, y_eval, *wt[:3], *xt[:3], *grads]
 
     direct, via_ops = run(False), run(True)
     assert len(direct) == len(via_ops) == 10
@@ -227,15 +222,15 @@ def test_eager_calls_equal_the_custom_ops(backend):
 
 
 def _record_fprop_calls(monkeypatch):
-    """Records (tokens, X^T spec, need_wt) of every ops.linear_fprop call of NVFP4Linear."""
+    """Records (tokens, need_wt, need_xt) of every ops.fprop call of NVFP4Linear."""
     from nvfp4_recipe import ops
-    calls, fprop = [], ops.linear_fprop
+    calls, fprop = [], ops.fprop
 
-    def spy(x, weight, w_spec, x_spec, xt_spec, need_wt, *rest):
-        calls.append((x.shape[0], xt_spec, need_wt))
-        return fprop(x, weight, w_spec, x_spec, xt_spec, need_wt, *rest)
+    def spy(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend):
+        calls.append((x.shape[0], need_wt, need_xt))
+        return fprop(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend)
 
-    monkeypatch.setattr(ops, "linear_fprop", spy)
+    monkeypatch.setattr(ops, "fprop", spy)
     return calls
 
 
@@ -247,7 +242,7 @@ def test_inference_runs_fprop_only_for_any_token_count(monkeypatch, mode):
     layer = NVFP4Linear(64, 48)
     x = torch.randn(3, 7, 64)  # 21 tokens
     w, b = layer.weight.detach(), layer.bias.detach()
-    expect = R.scaled_mm(R.quantize(x.reshape(21, 64)), R.quantize(w, block="2d"), b_block="2d",
+    expect = R.scaled_mm(R.quantize(x.reshape(21, 64)), R.quantize(w, QuantSpec(Block.D2)),
                          bias=b).reshape(3, 7, 48)
     calls = _record_fprop_calls(monkeypatch)
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
@@ -258,7 +253,7 @@ def test_inference_runs_fprop_only_for_any_token_count(monkeypatch, mode):
         y1 = layer(x[0, :1])  # one token, as in generation
     assert torch.equal(y, expect) and not y.requires_grad
     assert y1.shape == (1, 48)
-    assert calls == [(21, None, False), (1, None, False)]
+    assert calls == [(21, False, False), (1, False, False)]
     assert int(layer.sr_step) == 0
 
 
@@ -369,3 +364,26 @@ def test_recipe_buffers_reset_and_survive_moves_and_loads():
     other.to_empty(device="cpu")
     other.load_state_dict(sd)  # a checkpoint overrides the recipe's values
     assert int(other.sr_step) == 1 and torch.equal(other.weight, sd["weight"])
+
+
+def test_layer_hands_out_the_operands_it_used():
+    """``quantized_weight()`` is W as fprop quantizes it, and ``capture`` records X, X^T, dY and
+    dY^T of the last step as NVFP4Tensors holding the very bits the GEMMs used: the layer's output
+    and gradients are reproduced from them alone."""
+    torch.manual_seed(0)
+    model = quantize_(nn.Sequential(nn.Linear(64, 48)), NVFP4Recipe())
+    layer = model[0]
+    x = torch.randn(32, 64, requires_grad=True)
+    dy = torch.randn(32, 48)
+    with nr.capture(model) as ops:
+        y = model(x)
+        y.backward(dy)
+    got = ops["0"]
+    assert set(got) == {"w", "x", "xt", "dy", "dyt"} and layer.captured is None
+    w = layer.quantized_weight()
+    assert isinstance(w, nr.NVFP4Tensor) and w.block == "2d" and torch.equal(w.qdata, got["w"].qdata)
+    assert torch.allclose(y, torch.nn.functional.linear(got["x"], got["w"], layer.bias), rtol=1e-6, atol=1e-6)
+    assert got["dy"].rounding == "sr" and got["xt"].rht_signs is not None
+    dx = got["dy"].dequantize(torch.float64) @ got["w"].dequantize(torch.float64)
+    dw = got["dyt"].dequantize(torch.float64) @ got["xt"].dequantize(torch.float64).t()
+    assert rel(x.grad, dx) < 1e-6 and rel(layer.weight.grad, dw) < 1e-6

@@ -1,4 +1,4 @@
-"""The native Blackwell backend (nvfp4_recipe.native).
+"""The native Blackwell backend (nvfp4_recipe.backends.native).
 
 No Blackwell GPU was available: what runs here is the scale layout (against cuBLAS's documented
 block-scaling layout, computed independently below) and the whole ``native_scaled_mm`` call with
@@ -11,8 +11,10 @@ import logging
 import pytest
 import torch
 
-from nvfp4_recipe import backends, native
+from nvfp4_recipe import backends
 from nvfp4_recipe import reference as R
+from nvfp4_recipe.backends import native
+from nvfp4_recipe.operand import NVFP4Operand
 
 from test_kernels_gemm import LAYOUTS, assert_matches_reference, layout_operands
 
@@ -65,8 +67,9 @@ def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out
     assert bias is None and scale_result is None and not use_fast_accum
     qa, qb = a.view(torch.uint8), b.t().view(torch.uint8)
     k = 2 * qa.shape[1]
-    a_in = R.dequantize_inner(qa, unswizzle(scale_a, qa.shape[0], k // 16))
-    b_in = R.dequantize_inner(qb, unswizzle(scale_b, qb.shape[0], k // 16))
+    zero = torch.zeros(())
+    a_in = R.dequantize_inner(NVFP4Operand(qa, unswizzle(scale_a, qa.shape[0], k // 16), zero))
+    b_in = R.dequantize_inner(NVFP4Operand(qb, unswizzle(scale_b, qb.shape[0], k // 16), zero))
     return (a_in @ b_in.t()).to(out_dtype)
 
 
@@ -80,28 +83,28 @@ def emulated_blackwell(monkeypatch):
 @pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
 def test_native_call_matches_reference(emulated_blackwell, layout, scaling):
     gen = torch.Generator().manual_seed(1)
-    a, a_block, b, b_block = layout_operands(layout, 160, 192, 256, scaling, gen=gen)
-    bias = torch.randn(b.qdata.shape[0], generator=gen)
-    out = native.NativeBackend().scaled_mm(a, b, a_block, b_block, bias, torch.bfloat16)
-    assert_matches_reference(out, a, b, a_block, b_block, bias, torch.bfloat16)
+    a, b = layout_operands(layout, 160, 192, 256, scaling, gen=gen)
+    bias = torch.randn(b.rows, generator=gen)
+    out = native.NativeBackend().mm(a, b, bias=bias, out_dtype=torch.bfloat16)
+    assert_matches_reference(out, a, b, bias, torch.bfloat16)
 
 
 def test_unaligned_shape_falls_back_once(emulated_blackwell, caplog, monkeypatch):
     monkeypatch.setattr(backends, "_WARNED", set())
     gen = torch.Generator().manual_seed(2)
-    a, a_block, b, b_block = layout_operands("fprop_1d", 32, 32, 48, "per_tensor", gen=gen)
+    a, b = layout_operands("fprop_1d", 32, 32, 48, "per_tensor", gen=gen)
     with caplog.at_level(logging.WARNING, logger="nvfp4_recipe"):
         for _ in range(2):
-            out = native.NativeBackend().scaled_mm(a, b, a_block, b_block, None, torch.float32)
-    assert torch.equal(out, R.scaled_mm(a, b, a_block=a_block, b_block=b_block))
+            out = native.NativeBackend().mm(a, b, out_dtype=torch.float32)
+    assert torch.equal(out, R.scaled_mm(a, b))
     assert sum("reference GEMM" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_native_refuses_without_fp4_tensor_cores():
     gen = torch.Generator().manual_seed(3)
-    a, a_block, b, b_block = layout_operands("fprop_1d", 32, 32, 64, "per_tensor", gen=gen)
+    a, b = layout_operands("fprop_1d", 32, 32, 64, "per_tensor", gen=gen)
     with pytest.raises(ValueError, match="sm100"):
-        native.native_scaled_mm(a, b, a_block, b_block)
+        native.native_scaled_mm(a, b)
 
 
 @pytest.mark.cuda
@@ -110,6 +113,6 @@ def test_native_on_blackwell(device, layout):
     if not native.fp4_tensor_cores(device):
         pytest.skip("needs an sm100+ GPU")
     gen = torch.Generator().manual_seed(4)
-    a, a_block, b, b_block = layout_operands(layout, 512, 768, 1024, "per_token", device=device, gen=gen)
-    out = native.NativeBackend().scaled_mm(a, b, a_block, b_block, None, torch.bfloat16)
-    assert_matches_reference(out, a, b, a_block, b_block, None, torch.bfloat16)
+    a, b = layout_operands(layout, 512, 768, 1024, "per_token", device=device, gen=gen)
+    out = native.NativeBackend().mm(a, b, out_dtype=torch.bfloat16)
+    assert_matches_reference(out, a, b, None, torch.bfloat16)

@@ -8,6 +8,8 @@ import torch
 
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
 from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.reference import DEFAULT_RHT_SIGNS
+from nvfp4_recipe.spec import Block, GemmRole, QuantSpec, Rounding
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -56,10 +58,13 @@ def test_defaults_are_the_nvidia_recipe():
     r = NVFP4Recipe()
     assert (r.rht, r.stochastic_rounding, r.weight_2d, r.scaling, r.amax_estimation) == (
         True, True, True, "per_tensor", None)
-    assert r.operand("w_fprop").block == "2d"
-    assert r.operand("dy_dgrad").rounding == "sr" and not r.operand("dy_dgrad").rht
-    assert r.operand("dy_wgrad").rht and r.operand("x_wgrad").rht
-    assert r.operand("x_wgrad").rounding == "rn" and r.operand("x_fprop").rounding == "rn"
+    assert r.spec(GemmRole.W_FPROP) == QuantSpec(Block.D2)
+    assert r.spec(GemmRole.DY_DGRAD) == QuantSpec(rounding=Rounding.SR)
+    assert r.spec(GemmRole.DY_WGRAD) == QuantSpec(rounding=Rounding.SR, rht=True)
+    assert r.spec(GemmRole.X_WGRAD) == QuantSpec(rht=True)
+    assert r.spec(GemmRole.X_FPROP) == QuantSpec()
+    assert r.spec("dy_dgrad") == r.spec(GemmRole.DY_DGRAD)  # roles by name too
+    assert r.rht_signs is None and r.signs().tolist() == list(DEFAULT_RHT_SIGNS)  # TE's vector
 
 
 def run(recipe, seed=0):

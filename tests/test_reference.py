@@ -1,4 +1,4 @@
-"""The numerics spec (design.md items 1-10) in reference.py: TransformerEngine's NVFP4 chain, checked
+"""The numerics spec (docs/numerics.md) in reference.py: TransformerEngine's NVFP4 chain, checked
 against an independent implementation of it (tests/te_nvfp4.py), torchao 0.18 and first principles."""
 
 import math
@@ -12,9 +12,10 @@ from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 import te_nvfp4 as TE
 from nvfp4_recipe import formats as F
 from nvfp4_recipe import reference as R
-from nvfp4_recipe.backends import Backend
+from nvfp4_recipe.backends.reference import ReferenceBackend
 from nvfp4_recipe.formats import E2M1_GRID
 from nvfp4_recipe.recipe import NVFP4Recipe
+from nvfp4_recipe.spec import GemmRole, QuantSpec
 
 
 def spread(shape, dtype=torch.float32, lo=-6, hi=4, seed=0):
@@ -30,18 +31,19 @@ def spread(shape, dtype=torch.float32, lo=-6, hi=4, seed=0):
     return x.to(dtype)
 
 
-def assert_te_equal(d: R.NVFP4Data, codes, scale, s_dec, tile=(1, 16)):
+def assert_te_equal(d, codes, scale, s_dec, tile=(1, 16)):
     """Bitwise equality of a quantization with the TE oracle's: codes, E4M3 scales, decode scales
     and the dequantized values."""
     got = F.unpack_nibbles(d.qdata).reshape(codes.shape)
     assert torch.equal(got, codes), (got != codes).nonzero()[:5]
     assert torch.equal(d.scale.reshape(scale.shape).view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(d.outer_scale.reshape(s_dec.shape), s_dec)
-    deq = R.dequantize(d, "2d" if tile == (16, 16) else "1d").reshape(codes.shape)
+    deq = R.dequantize(d).reshape(codes.shape)
     assert torch.equal(deq, TE.dequantize(codes, scale, s_dec, tile))
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SR = QuantSpec(rounding="sr")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -60,14 +62,14 @@ def test_rn_1d_matches_transformer_engine(dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rn_2d_matches_transformer_engine(dtype):
     x = spread((96, 160), dtype, lo=-3, hi=2, seed=3)
-    assert_te_equal(R.quantize(x, block="2d"), *TE.quantize(x, tile=(16, 16)), tile=(16, 16))
+    assert_te_equal(R.quantize(x, QuantSpec(block="2d")), *TE.quantize(x, tile=(16, 16)), tile=(16, 16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rn_per_token_matches_transformer_engine(dtype):
     x = spread((48, 128), dtype, lo=-4, hi=2, seed=4)
     x[7] = 0  # an all-zero row: S_enc = FLT_MAX, zero codes
-    d = R.quantize(x, scaling="per_token")
+    d = R.quantize(x, QuantSpec(scaling="per_token"))
     assert_te_equal(d, *TE.quantize(x, row_scaled=True))
     assert torch.equal(R.dequantize(d)[7], torch.zeros(128))
 
@@ -77,7 +79,7 @@ def test_rht_operand_matches_transformer_engine_fp32():
     transformed operand, bit for bit (the transform itself is checked against its matrix below)."""
     x = spread((128, 48), lo=-3, hi=3, seed=5)
     signs = torch.tensor(TE.TE_SIGNS, dtype=torch.float32)
-    d = R.quantize(x.t(), rht_signs=signs)
+    d = R.quantize(x.t(), QuantSpec(rht=True), rht_signs=signs)
     assert_te_equal(d, *TE.quantize(R.rht(x.t(), signs)))
 
 
@@ -102,7 +104,7 @@ def test_rht_operand_matches_transformer_engine_16bit(dtype, data):
     diff = ours != exact
     assert torch.all((tie | (f != TE.rht(x.t().double())))[diff])
     assert diff.float().mean() < (1e-3 if data == "wide" else 1e-4)
-    assert_te_equal(R.quantize(x.t(), rht_signs=signs), *TE.quantize(ours))
+    assert_te_equal(R.quantize(x.t(), QuantSpec(rht=True), rht_signs=signs), *TE.quantize(ours))
 
 
 def test_sr_rule_matches_transformer_engine():
@@ -128,7 +130,7 @@ def test_sr_quantize_matches_transformer_engine():
     words = torch.stack(R.philox4x32(5, torch.arange(77, 77 + x.numel() // 16)), dim=-1)
     expect = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1)  # (n/16, 4, 4)
     assert torch.equal(bits.reshape(-1, 4, 4), expect)
-    d = R.quantize(x, rounding="sr", seed=5, offset=77)
+    d = R.quantize(x, SR, seed=5, offset=77)
     assert_te_equal(d, *TE.quantize(x, sr_bits=bits))
 
 
@@ -157,7 +159,7 @@ def test_sr_mean_converges_to_x():
     1e-4 under the normal approximation)."""
     x = torch.randn(16, 64)
     n = 1000
-    data = [R.quantize(x, rounding="sr", seed=11, offset=k * 64) for k in range(n)]
+    data = [R.quantize(x, SR, seed=11, offset=k * 64) for k in range(n)]
     mean = torch.stack([R.dequantize(d) for d in data]).mean(0)
     d0 = data[0]
     step_scale = d0.scale.float().repeat_interleave(16, 1) * d0.outer_scale
@@ -224,7 +226,7 @@ def test_all_zero_tensor_gives_zero_codes_and_finite_scales():
 def test_zero_rows_per_token():
     x = torch.randn(32, 64)
     x[3] = 0
-    d = R.quantize(x, scaling="per_token")
+    d = R.quantize(x, QuantSpec(scaling="per_token"))
     assert torch.all(torch.isfinite(d.scale.float())) and torch.all(torch.isfinite(d.outer_scale))
     assert torch.all(R.dequantize(d)[3] == 0)
 
@@ -250,7 +252,7 @@ def test_non_finite_input_propagates(bad, scaling):
     S_enc = 1 and saturates the Inf (finite codes and outputs that hide the overflow)."""
     x = torch.randn(32, 64)
     x[5, 7] = bad
-    d = R.quantize(x, scaling=scaling)
+    d = R.quantize(x, QuantSpec(scaling=scaling))
     deq = R.dequantize(d)
     assert not torch.isfinite(deq[5]).any()
     if scaling == "per_token":
@@ -268,12 +270,12 @@ def test_non_finite_input_propagates(bad, scaling):
 
 def test_2d_blocks_share_one_scale_per_tile_and_transpose_exactly():
     w = spread((48, 64), lo=-3, hi=2)
-    d = R.quantize(w, block="2d")
+    d = R.quantize(w, QuantSpec(block="2d"))
     assert d.scale.shape == (3, 4)
-    deq = R.dequantize(d, "2d")
+    deq = R.dequantize(d)
     dt = R.transpose_2d(d)
     assert dt.qdata.shape == (64, 24)
-    assert torch.equal(R.dequantize(dt, "2d"), deq.t())
+    assert torch.equal(R.dequantize(dt), deq.t())
     _, expect, _ = TE.quantize(w, tile=(16, 16))
     assert torch.equal(d.scale.view(torch.uint8), expect.view(torch.uint8))
 
@@ -281,12 +283,12 @@ def test_2d_blocks_share_one_scale_per_tile_and_transpose_exactly():
 def test_per_token_mm_matches_the_factored_formula():
     a = spread((32, 64), lo=-2, hi=2, seed=1)
     b = spread((48, 64), lo=-2, hi=2, seed=2)
-    qa, qb = R.quantize(a, scaling="per_token"), R.quantize(b, scaling="per_token")
+    qa, qb = R.quantize(a, QuantSpec(scaling="per_token")), R.quantize(b, QuantSpec(scaling="per_token"))
     assert qa.outer_scale.shape == (32,) and qb.outer_scale.shape == (48,)
     assert torch.equal(qa.outer_scale, R.decode_scale(R.encode_scale(a.abs().amax(1))))
     d = R.scaled_mm(qa, qb)
-    ia = R.dequantize_inner(qa.qdata, qa.scale).double()
-    ib = R.dequantize_inner(qb.qdata, qb.scale).double()
+    ia = R.dequantize_inner(qa).double()
+    ib = R.dequantize_inner(qb).double()
     expect = qa.outer_scale.double()[:, None] * qb.outer_scale.double()[None, :] * (ia @ ib.t())
     # fp32 accumulation of 64 exact products: relative error below 64 * 2**-24 of sum |a_k b_k|
     bound = 64 * 2**-24 * (qa.outer_scale.double()[:, None] * qb.outer_scale.double()[None, :]
@@ -313,10 +315,10 @@ def test_philox_equals_triton_randint4x():
 
 def test_sr_is_deterministic_per_seed_and_offset():
     x = torch.randn(32, 64)
-    a = R.quantize(x, rounding="sr", seed=3, offset=100)
-    b = R.quantize(x, rounding="sr", seed=3, offset=100)
-    c = R.quantize(x, rounding="sr", seed=3, offset=101)
-    d = R.quantize(x, rounding="sr", seed=4, offset=100)
+    a = R.quantize(x, SR, seed=3, offset=100)
+    b = R.quantize(x, SR, seed=3, offset=100)
+    c = R.quantize(x, SR, seed=3, offset=101)
+    d = R.quantize(x, SR, seed=4, offset=100)
     assert torch.equal(a.qdata, b.qdata)
     assert not torch.equal(a.qdata, c.qdata) and not torch.equal(a.qdata, d.qdata)
     assert torch.equal(a.scale.view(torch.uint8), c.scale.view(torch.uint8))
@@ -343,18 +345,18 @@ def test_wgrad_with_rht_equals_wgrad_without_when_quantization_is_bypassed():
 def test_amax_estimation_changes_only_the_outer_scale():
     x = torch.randn(64, 32)
     signs = NVFP4Recipe().signs()
-    measured = NVFP4Recipe().operand("x_wgrad")
-    estimated = NVFP4Recipe(amax_estimation=(2.0, 1.0)).operand("x_wgrad")
+    measured = NVFP4Recipe().spec(GemmRole.X_WGRAD)
+    estimated = NVFP4Recipe(amax_estimation=(2.0, 1.0)).spec(GemmRole.X_WGRAD)
     assert estimated == measured.__class__(**{**measured.__dict__, "amax_scale": 2.0})
-    backend = Backend()
-    est = backend.quantize(x, estimated, rht_signs=signs)
+    backend = ReferenceBackend()
+    est = backend.quantize(x, estimated, signs=signs)
     assert torch.equal(est.outer_scale, R.decode_scale(R.encode_scale(2.0 * x.abs().amax())))
-    meas = backend.quantize(x, measured, rht_signs=signs)
+    meas = backend.quantize(x, measured, signs=signs)
     assert torch.equal(meas.outer_scale, R.decode_scale(R.encode_scale(R.rht(x, signs).abs().amax())))
-    same = R.quantize(x, rht_signs=signs, amax_=2.0 * x.abs().amax())
+    same = R.quantize(x, QuantSpec(rht=True), rht_signs=signs, amax_=2.0 * x.abs().amax())
     assert torch.equal(est.qdata, same.qdata) and torch.equal(est.scale.view(torch.uint8), same.scale.view(torch.uint8))
-    for role in ("x_fprop", "w_fprop", "dy_dgrad"):
-        assert NVFP4Recipe(amax_estimation=(2.0, 1.0)).operand(role) == NVFP4Recipe().operand(role)
+    for role in (GemmRole.X_FPROP, GemmRole.W_FPROP, GemmRole.DY_DGRAD):
+        assert NVFP4Recipe(amax_estimation=(2.0, 1.0)).spec(role) == NVFP4Recipe().spec(role)
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -364,10 +366,10 @@ def test_errors_name_the_problem():
     with pytest.raises(TypeError, match="int32"):
         R.quantize(torch.ones(4, 32, dtype=torch.int32))
     with pytest.raises(ValueError, match="rounding"):
-        R.quantize(torch.randn(4, 32), rounding="up")
+        QuantSpec(rounding="up")
     with pytest.raises(ValueError, match="2d"):
-        R.quantize(torch.randn(8, 32), block="2d")
+        R.quantize(torch.randn(8, 32), QuantSpec(block="2d"))
     with pytest.raises(ValueError, match="per_token"):
-        R.quantize(torch.randn(16, 32), block="2d", scaling="per_token")
+        QuantSpec(block="2d", scaling="per_token")
     with pytest.raises(ValueError, match="K mismatch"):
         R.scaled_mm(R.quantize(torch.randn(16, 32)), R.quantize(torch.randn(16, 64)))

@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from nvfp4_recipe import NVFP4Linear, NVFP4Recipe, backends
+from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
+from nvfp4_recipe.backends import triton as triton_backend
 from nvfp4_recipe.streams import SideStream
 
 SLEEP = 20_000_000  # GPU clock cycles (about 10 ms): long enough for a race to show
@@ -88,7 +89,7 @@ def test_layer_with_side_stream_matches_one_stream(device, monkeypatch):
         return results
 
     forked = replays(copy.deepcopy(layer))
-    monkeypatch.setattr(backends, "SideStream", lambda dev: SideStream(torch.device("cpu")))
+    monkeypatch.setattr(triton_backend, "SideStream", lambda dev: SideStream(torch.device("cpu")))
     inline = replays(copy.deepcopy(layer))
     assert not torch.equal(forked[2], forked[6])  # a new SR stream on the second replay
     for a, b in zip(forked, inline):

@@ -7,12 +7,14 @@ import torch
 
 from nvfp4_recipe import NVFP4Tensor
 from nvfp4_recipe import reference as R
+from nvfp4_recipe.operand import NVFP4Operand
+from nvfp4_recipe.spec import QuantSpec
 
 
 def test_from_hp_fields_match_the_reference():
     x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
     t = NVFP4Tensor.from_hp(x, scaling="per_token", rounding="sr", seed=5, offset=7)
-    d = R.quantize(x, scaling="per_token", rounding="sr", seed=5, offset=7)
+    d = R.quantize(x, QuantSpec(scaling="per_token", rounding="sr"), seed=5, offset=7)
     assert t.shape == x.shape and t.dtype == torch.bfloat16
     assert t.qdata.dtype == torch.uint8 and t.qdata.shape == (2, 32, 32)
     assert t.scale.dtype == torch.float8_e4m3fn and t.scale.shape == (2, 32, 4)
@@ -25,13 +27,13 @@ def test_rht_tensor_keeps_its_signs():
     x = torch.randn(16, 64)
     t = NVFP4Tensor.from_hp(x, rht=True)
     assert t.rht_signs is not None
-    assert torch.equal(t.dequantize(torch.float32), R.dequantize(R.quantize(x, rht_signs=t.rht_signs)))
+    assert torch.equal(t.dequantize(torch.float32), R.dequantize(R.quantize(x, QuantSpec(rht=True), rht_signs=t.rht_signs)))
 
 
 def test_mm_addmm_linear_matmul_bmm():
     x, w, b = torch.randn(48, 64), torch.randn(32, 64), torch.randn(32)
     xq, wq = NVFP4Tensor.from_hp(x), NVFP4Tensor.from_hp(w, block="2d")
-    expect = R.scaled_mm(xq.data_, wq.data_, b_block="2d")
+    expect = R.scaled_mm(xq.operand, wq.operand)
     assert torch.equal(torch.mm(xq, wq.t()), expect)
     assert torch.equal(torch.addmm(b, xq, wq.t()), expect + b)
     assert torch.equal(torch.nn.functional.linear(xq, wq, b), expect + b)
@@ -40,8 +42,8 @@ def test_mm_addmm_linear_matmul_bmm():
     a, c = NVFP4Tensor.from_hp(torch.randn(2, 16, 64)), NVFP4Tensor.from_hp(torch.randn(2, 32, 64))
     out = torch.bmm(a, c.transpose(1, 2))
     for i in range(2):
-        ai = R.NVFP4Data(a.qdata[i], a.scale[i], a.outer_scale)
-        ci = R.NVFP4Data(c.qdata[i], c.scale[i], c.outer_scale)
+        ai = NVFP4Operand(a.qdata[i], a.scale[i], a.outer_scale)
+        ci = NVFP4Operand(c.qdata[i], c.scale[i], c.outer_scale)
         assert torch.equal(out[i], R.scaled_mm(ai, ci))
 
 
@@ -153,7 +155,7 @@ def test_from_hp_takes_signs_as_a_list():
     signs = [1, -1, -1, 1] * 4
     t = NVFP4Tensor.from_hp(x, rht=True, rht_signs=signs)
     assert torch.equal(t.rht_signs, torch.tensor(signs, dtype=torch.float32))
-    assert torch.equal(t.dequantize(torch.float32), R.dequantize(R.quantize(x, rht_signs=t.rht_signs)))
+    assert torch.equal(t.dequantize(torch.float32), R.dequantize(R.quantize(x, QuantSpec(rht=True), rht_signs=t.rht_signs)))
 
 
 @pytest.mark.parametrize("shape, block, scaling", [((0, 64), "1d", "per_tensor"),
@@ -170,3 +172,20 @@ def test_repr_of_a_meta_tensor():
     t = NVFP4Tensor.from_hp(torch.randn(32, 64, device="meta"), scaling="per_token")
     assert t.device.type == "meta"
     assert "shape=(32, 64)" in repr(t) and "device=meta" in repr(t)
+
+
+def test_matmul_runs_on_the_tensors_backend(monkeypatch):
+    """A matmul of NVFP4Tensors runs on the backend they were made with (the Triton kernels
+    under the interpreter here), not on the device's default."""
+    from nvfp4_recipe.backends import triton as triton_backend
+    calls = []
+    mm = triton_backend.TritonBackend.mm
+    monkeypatch.setattr(triton_backend.TritonBackend, "mm",
+                        lambda self, a, b, **kw: calls.append(1) or mm(self, a, b, **kw))
+    x, w = torch.randn(32, 64), torch.randn(16, 64)
+    xq = NVFP4Tensor.from_hp(x, backend="triton")
+    wq = NVFP4Tensor.from_hp(w, block="2d", backend="triton")
+    assert xq.backend == "triton"
+    out = torch.mm(xq, wq.t())
+    assert calls == [1]
+    assert torch.allclose(out, R.scaled_mm(xq.operand, wq.operand), rtol=1e-5, atol=1e-6)

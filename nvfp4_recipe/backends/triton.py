@@ -65,6 +65,8 @@ class TritonBackend(Backend):
         R.check_input(x, spec)
         if spec.rht and signs is None:
             raise ValueError("an RHT operand needs rht_signs")
+        if x.numel() == 0:  # nothing to launch a kernel for
+            return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs)
         if spec.block is Block.D2:
             return self._quantize_2d(x, spec, seed, offset, signs)
         if _is_transposed_view(x):

@@ -136,6 +136,9 @@ SMALL_K_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_wa
                            num_stages=3, P=2)
 EPILOGUE_CONFIG = dict(BM=64, BN=128, num_warps=8)
 
+# The compiled kernel of each method's last launch (for inspection: asm["ptx"], asm["cubin"]).
+LAST_KERNEL = {}
+
 
 def gemm_config(k: int, out_dtype: torch.dtype) -> dict:
     """The tile config of the Triton TMA GEMM for a reduction length ``k`` and output dtype
@@ -189,7 +192,7 @@ def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tenso
     a_desc = TensorDescriptor.from_tensor(a_inner, [cfg["BM"], cfg["BK"]])
     b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-    _gemm_kernel[(min(programs, tiles),)](
+    LAST_KERNEL["triton"] = _gemm_kernel[(min(programs, tiles),)](
         a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
         NUM_PROGRAMS=programs, **flags, **cfg)
     return out.to(out_dtype)
@@ -210,7 +213,8 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     out = c if out_dtype == torch.float32 else _kernel_out(m, n, out_dtype, c.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(n, cfg["BN"]))
-    _epilogue_kernel[grid](c, *scales, out, m, n, c.stride(0), *strides, out.stride(0), **flags, **cfg)
+    LAST_KERNEL["epilogue"] = _epilogue_kernel[grid](c, *scales, out, m, n, c.stride(0), *strides,
+                                                     out.stride(0), **flags, **cfg)
     return out.to(out_dtype)
 
 

@@ -1,0 +1,121 @@
+"""The backends' primitives (``nvfp4_recipe.backends``): the Triton backend gives the reference
+backend's bits for quantize, quantize_pair (transient copies as inner values, a B operand prepared
+in the same pass, transposed views read through their base), prepare_weight and mm; "auto" and
+named backends resolve as documented."""
+
+import pytest
+import torch
+
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.backends.reference import ReferenceBackend
+from nvfp4_recipe.spec import Block
+
+from nvfp4_cases import (PAIR_IDS, assert_inner_equals, assert_same, idfn, rand, recipe_pairs,
+                         signs_for, spec, triton_backend)
+
+REF = ReferenceBackend()
+
+
+@pytest.mark.parametrize("sp,shape,dtype", [
+    (spec(), (48, 80), torch.bfloat16),
+    (spec(scaling="per_token", rounding="sr"), (2, 24, 64), torch.bfloat16),  # leading dims
+    (spec(rounding="sr", rht=True), (40, 48), torch.float32),
+    (spec(scaling="per_token", rht=True, amax_scale=1.37), (32, 48), torch.float16),
+    (spec(block="2d"), (48, 80), torch.bfloat16),
+    (spec(block="2d", rounding="sr", amax_scale=0.75), (32, 48), torch.float32),
+], ids=idfn)
+def test_quantize_matches_reference(sp, shape, dtype):
+    x = rand(shape, dtype)
+    kw = dict(seed=11, offset=5, signs=signs_for())
+    assert_same(triton_backend("cpu").quantize(x, sp, **kw), REF.quantize(x, sp, **kw))
+
+
+@pytest.mark.parametrize("sp", [spec(rounding="sr", rht=True), spec(scaling="per_token"),
+                                spec(block="2d")], ids=idfn)
+def test_quantize_transposed_view(sp):
+    """``quantize(x.t())`` (the columnwise copy) reads x through the columnwise path."""
+    x = rand((48, 64))
+    kw = dict(seed=torch.tensor(7), offset=torch.tensor(2**31 + 9), signs=signs_for())
+    assert_same(triton_backend("cpu").quantize(x.t(), sp, **kw), REF.quantize(x.t(), sp, **kw))
+
+
+def test_quantize_empty():
+    x = torch.randn(0, 32)
+    out = triton_backend("cpu").quantize(x, spec())
+    assert out.qdata.shape == (0, 16) and torch.equal(R.dequantize(out), x)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("name,row,col", recipe_pairs(), ids=PAIR_IDS)
+def test_quantize_pair_transient_and_prepared(name, row, col, transposed):
+    """quantize_pair as the layer calls it: transient copies come back as inner values, the others
+    as codes, b prepared (dequantized) in the same launch; a transposed view is read through its
+    base. Everything equals the reference backend's."""
+    x = rand((80, 48), seed=12).t() if transposed else rand((48, 80), seed=12)
+    b = REF.quantize(rand((32, 80), seed=13), spec())
+    kw = dict(seed=torch.tensor(3), row_offset=1, col_offset=2**31, signs=signs_for())
+    for transient in ((True, False), (True, True), (False, False)):
+        r, c, bp = triton_backend("cpu").quantize_pair(x, row, col, **kw, transient=transient, prepare=b)
+        ref_r, ref_c, ref_b = REF.quantize_pair(x, row, col, **kw, prepare=b)
+        for out, ref, is_inner in ((r, ref_r, transient[0]), (c, ref_c, transient[1])):
+            (assert_inner_equals if is_inner else assert_same)(out, ref)
+        assert_inner_equals(bp, ref_b)
+
+
+def test_quantize_pair_rowwise_only_prepares_b_in_its_own_pass():
+    _, row, _ = recipe_pairs()[1]
+    x, b = rand((48, 80), seed=1), REF.quantize(rand((32, 80), seed=2), spec())
+    r, c, bp = triton_backend("cpu").quantize_pair(x, row, None, seed=5, transient=(True, False), prepare=b)
+    assert c is None
+    assert_inner_equals(r, REF.quantize(x, row, seed=5))
+    assert_inner_equals(bp, b)
+
+
+@pytest.mark.parametrize("block", ["1d", "2d"])
+@pytest.mark.parametrize("need_t", [False, True])
+def test_prepare_weight_matches_reference(block, need_t):
+    w = rand((32, 64), seed=2)
+    sp = spec(block=block)
+    (wq, wtq), (rw, rwt) = (triton_backend("cpu").prepare_weight(w, sp, need_t=need_t),
+                            REF.prepare_weight(w, sp, need_t=need_t))
+    assert_same(wq, rw)
+    if need_t:
+        assert_same(wtq, rwt)
+        assert torch.equal(R.dequantize(rwt), R.dequantize(rw).t()) == (block == "2d")
+    else:
+        assert wtq is None and rwt is None
+
+
+def test_mm_matches_reference_from_codes_and_inner_values():
+    a = REF.quantize(rand((48, 64), seed=3), spec(scaling="per_token"))
+    b = REF.quantize(rand((32, 64), seed=4), spec(block="2d"))
+    be = triton_backend("cpu")
+    ref = REF.mm(a, b, out_dtype=torch.float32)
+    out = be.mm(a, be.prepare(b), out_dtype=torch.float32)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=0)
+    assert b.block is Block.D2
+
+
+def test_backend_names():
+    assert get_backend("auto", torch.device("cpu")).name == "reference"
+    assert get_backend("triton", torch.device("cpu")).name == "triton"  # the interpreter in tests
+    with pytest.raises(ValueError, match="backend 'native' cannot run here"):
+        get_backend("native", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown NVFP4 backend 'cuda'"):
+        get_backend("cuda", torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,row,col", recipe_pairs(), ids=PAIR_IDS)
+def test_cuda_pair_and_prepare(name, row, col, device):
+    x = rand((4112, 2064), device=device, seed=14)
+    b = REF.quantize(rand((1040, 4112), seed=15).to(device), spec())
+    kw = dict(seed=torch.tensor(9, device=device), row_offset=7, col_offset=2**31,
+              signs=signs_for().to(device))
+    r, c, bp = get_backend("triton", device).quantize_pair(x, row, col, **kw, transient=(True, True),
+                                                          prepare=b)
+    ref_r, ref_c, _ = REF.quantize_pair(x, row, col, **kw)
+    assert_inner_equals(r, ref_r)
+    assert_inner_equals(c, ref_c)
+    assert_inner_equals(bp, b)
