@@ -15,8 +15,10 @@ from nvfp4_cases import (PAIR_IDS, assert_inner_equals, assert_same, idfn, rand,
 
 
 def reference_pair(x, row, col, seed, row_offset, col_offset, signs):
-    return (None if row is None else R.quantize(x.cpu(), row, seed=seed, offset=row_offset, rht_signs=signs),
-            None if col is None else R.quantize(x.t().cpu(), col, seed=seed, offset=col_offset, rht_signs=signs))
+    """The reference's copies, computed on x's device (a NaN's sign bit is the platform's: x86 and
+    CUDA make Inf * 0 with opposite signs)."""
+    return (None if row is None else R.quantize(x, row, seed=seed, offset=row_offset, rht_signs=signs),
+            None if col is None else R.quantize(x.t(), col, seed=seed, offset=col_offset, rht_signs=signs))
 
 
 def check_pair(x, row, col, inner=(False, False), seed=0, row_offset=0, col_offset=0, signs=None):
@@ -25,8 +27,7 @@ def check_pair(x, row, col, inner=(False, False), seed=0, row_offset=0, col_offs
     out = quantize_1d(x, row, col, inner=inner, seed=seed, row_offset=row_offset,
                       col_offset=col_offset, signs=s)
     to_int = lambda v: int(v) if isinstance(v, torch.Tensor) else v
-    refs = reference_pair(x, row, col, to_int(seed), to_int(row_offset), to_int(col_offset),
-                          None if signs is None else signs.cpu())
+    refs = reference_pair(x, row, col, to_int(seed), to_int(row_offset), to_int(col_offset), s)
     for o, ref, is_inner in zip(out, refs, inner):
         if ref is None:
             assert o is None
@@ -190,7 +191,7 @@ def test_cuda_quantize(sp, dtype, device):
 def test_cuda_2d_zero_tiny_and_nonfinite(device):
     w = rand((4112, 16400), device=device, seed=8)
     wq, wtq = quantize_2d(w)
-    ref = R.quantize(w.cpu(), spec(block="2d"))
+    ref = R.quantize(w, spec(block="2d"))
     assert_same(wq, ref)
     assert_same(wtq, R.transpose_2d(ref))
     x = rand((1024, 2048), torch.float32, device=device, seed=3)
@@ -200,7 +201,7 @@ def test_cuda_2d_zero_tiny_and_nonfinite(device):
     x[100, 200] = float("inf")
     x[300, 5] = float("nan")
     for sp in (spec(), spec(scaling="per_token")):  # CUDA NaNs are canonical: exact here
-        assert_same(quantize_1d(x, sp)[0], R.quantize(x.cpu(), sp))
+        assert_same(quantize_1d(x, sp)[0], R.quantize(x, sp))
 
 
 @pytest.mark.cuda
@@ -220,6 +221,6 @@ def test_cuda_graph_replay_advances_offset(device):
     for step in (3, 10):
         off.fill_(step * 2**20)
         graph.replay()
-        ref = reference_pair(x, row, col, 42, step * 2**20, step * 2**20, signs.cpu())
+        ref = reference_pair(x, row, col, 42, step * 2**20, step * 2**20, signs)
         assert_same(out[0], ref[0])
         assert_same(out[1], ref[1])
