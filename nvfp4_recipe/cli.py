@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=BACKENDS, default="auto",
                      help="NVFP4Recipe.backend (auto: native on Blackwell, triton on other GPUs, "
                           "reference on CPU)")
+    run.add_argument("--mode", choices=("auto", "eager", "graph"), default="auto",
+                     help="how steps run: eager (the plain loop) or graph (the whole step captured "
+                          "in one CUDA graph and replayed: the same numbers without the host's kernel "
+                          "launch cost); auto = graph on CUDA, eager elsewhere (default auto)")
     run.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads of torch (torch.set_num_threads; default: torch's choice)")
     run.add_argument("--out", metavar="DIR",
@@ -122,7 +126,7 @@ def _config_from_args(args):
                         d_ff=args.d_ff, seq_len=args.seq_len, steps=args.steps,
                         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                         eval_every=args.eval_every, eval_tokens=args.eval_tokens, seed=args.seed,
-                        backend=args.backend)
+                        backend=args.backend, mode=args.mode)
     cfg.validate()
     if args.max_mb is not None and not 0 <= args.max_mb < math.inf:
         raise ValueError(f"--max-mb must be a finite number >= 0, got {args.max_mb}")
@@ -243,6 +247,7 @@ def _prepare(args):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = _device(args.device)
+    cfg.step_mode(device)  # --mode graph needs CUDA
     recipes = [make_recipe(name, cfg.seed, cfg.backend) for name in args.recipes]  # validates them
     if any(r is not None for r in recipes):
         get_backend(cfg.backend, device)  # raises for a backend that cannot run on the device
@@ -303,7 +308,7 @@ def train_command(args, argv: Sequence[str]) -> int:
             result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress)
             results.append(result)
             print(f"{name}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} nats, "
-                  f"{result.wall_s:.0f} s", flush=True)
+                  f"{result.wall_s:.0f} s, {result.mode} steps", flush=True)
             _write_outputs(out, dict(meta, wall_s=time.perf_counter() - start), results, final=False)
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED

@@ -99,6 +99,8 @@ def test_module_entry_point_help():
     (["--seed", "-1"], "nvfp4-recipe train: error: NVFP4Recipe.seed: must be an int in [0, 2**31), got -1"),
     (["--backend", "native"], "nvfp4-recipe train: error: NVFP4 backend 'native' cannot run here: "
                               "the native backend needs a CUDA device, got cpu"),
+    (["--device", "cpu", "--mode", "graph"],
+     "nvfp4-recipe train: error: --mode graph needs a CUDA device (CUDA graphs), got cpu"),
 ])
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys, monkeypatch, args, message):
     from nvfp4_recipe.train import loop
@@ -151,6 +153,7 @@ def _fake_run(recipe, cfg, batches, device, dtype, progress=True):
     if recipe != "bf16":
         raise KeyboardInterrupt
     return RunResult(recipe, "ok", steps=2, params=1, quantized="0/1", train_loss=3.0, val_loss=3.5,
+                     mode="eager",
                      tokens_per_s=1.0, peak_memory_bytes=None, wall_s=0.1, train_curve=[4.0, 3.0],
                      val_curve=[[0, 5.5], [2, 3.5]])
 
@@ -190,3 +193,20 @@ def test_split_by_file_is_deterministic_and_disjoint(tmp_path):
     corpus = D.load_corpus([str(tmp_path)], use_stdlib=False, val_fraction=0.1, seed=3)
     assert corpus.train_files == len(train) and corpus.val_files == len(val)
     assert corpus.train.numel() == sum(sizes[p] + 1 for p in train)  # + one separator per file
+
+
+@pytest.mark.cuda
+def test_graph_mode_gives_the_eager_numbers(tmp_path):
+    """The whole step captured in a CUDA graph computes what the eager loop computes: the same
+    training and validation losses, bit for bit, for bf16 and NVFP4 (SR streams advance per
+    replay), and the run says which mode ran."""
+    runs = {}
+    for mode in ("eager", "graph"):
+        status, results = _train(tmp_path / mode, "--recipes", "bf16", "nvfp4", "--device", "cuda",
+                                 "--mode", mode, "--steps", "24", "--eval-every", "12")
+        assert status == 0
+        runs[mode] = results["runs"]
+    for eager, graph in zip(runs["eager"], runs["graph"]):
+        assert (eager["mode"], graph["mode"]) == ("eager", "graph")
+        assert eager["train_curve"] == graph["train_curve"]
+        assert eager["val_curve"] == graph["val_curve"]

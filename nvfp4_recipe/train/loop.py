@@ -1,11 +1,18 @@
-"""One training run: build the model, apply a recipe, train with AdamW, evaluate on held-out files."""
+"""One training run: build the model, apply a recipe, train with AdamW, evaluate on held-out files.
+
+Steps run in one of two modes that compute the same bits (``MODES``): ``eager``, the plain loop, and
+``graph``, the whole step (forward, backward, gradient clipping, AdamW) captured once in a CUDA graph
+and replayed, which removes the host's launch cost of the many small kernels (NVFP4 quantization
+passes in particular). Both use AdamW with ``capturable=True`` and the learning rate as a device
+tensor set before every step, so that the captured and the eager step are the same computation.
+"""
 
 import math
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +45,7 @@ class TrainConfig:
     eval_tokens: int = 16384      # validation tokens per pass
     seed: int = 0
     backend: str = "auto"         # NVFP4Recipe.backend
+    mode: str = "auto"            # "eager", "graph" (CUDA only) or "auto" (graph on CUDA)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.d_model, self.n_layers, self.n_heads, self.d_ff, self.seq_len)
@@ -56,6 +64,23 @@ class TrainConfig:
                 and 0 < self.grad_clip < math.inf):
             raise ValueError(f"need 0 <= min_lr_ratio <= 1, a finite weight_decay >= 0 and a finite "
                              f"grad_clip > 0, got {self.min_lr_ratio}, {self.weight_decay}, {self.grad_clip}")
+        if self.mode not in ("auto", *MODES):
+            raise ValueError(f"--mode must be 'auto' or one of {MODES}, got {self.mode!r}")
+
+    def step_mode(self, device: torch.device) -> str:
+        """The mode steps run in on ``device``: "graph" on CUDA for "auto".
+
+        Raises:
+            ValueError: "graph" on a device other than CUDA.
+        """
+        if self.mode == "auto":
+            return "graph" if device.type == "cuda" else "eager"
+        if self.mode == "graph" and device.type != "cuda":
+            raise ValueError(f"--mode graph needs a CUDA device (CUDA graphs), got {device}")
+        return self.mode
+
+
+MODES = ("eager", "graph")
 
 
 @dataclass
@@ -70,6 +95,7 @@ class RunResult:
     train_loss: float               # mean over the last tenth of the steps
     val_loss: float                 # on the validation windows after the last step
     tokens_per_s: float             # training steps only, after the first few (JIT warm-up)
+    mode: str                       # the step mode, "eager" or "graph"
     peak_memory_bytes: Optional[int]  # CUDA peak allocated; None on CPU
     wall_s: float
     train_curve: List[float] = field(default_factory=list)             # loss of every step
@@ -90,17 +116,33 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    """AdamW (betas 0.9, 0.95) with weight decay on matrices only, and its warm-up/cosine schedule."""
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices only, and a function ``set_lr(step)``
+    applying the warm-up/cosine schedule. On CUDA the optimizer is capturable (its state and the
+    learning rate are device tensors), so that a CUDA graph can hold the step; the same optimizer
+    runs the eager mode, so the two modes compute the same bits."""
     params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
+    capturable = device.type == "cuda"
+    lr = torch.tensor(cfg.lr, device=device) if capturable else cfg.lr
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), capturable=capturable)
+    schedule = lr_lambda(cfg)
+
+    def set_lr(step: int) -> None:
+        for group in opt.param_groups:
+            if capturable:
+                group["lr"].fill_(cfg.lr * schedule(step))
+            else:
+                group["lr"] = cfg.lr * schedule(step)
+    return opt, set_lr
 
 
-def autocast_context(device: torch.device, dtype: Optional[torch.dtype]):
+def autocast_context(device: torch.device, dtype: Optional[torch.dtype], cache_enabled: bool = True):
     """torch.autocast to ``dtype`` on ``device``, or no autocast when ``dtype`` is None."""
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache_enabled)
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -136,17 +178,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, sched, batches: Batches, cfg: TrainConfig, device, dtype) -> torch.Tensor:
-    """One optimizer step on the next training batch; returns the loss (fp32 scalar, on device)."""
-    x, y = batches.train_batch(device)
-    with autocast_context(device, dtype):
-        loss = lm_loss(model, x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    sched.step()
-    return loss.detach()
+def step_function(model, opt, cfg: TrainConfig, dtype, x: torch.Tensor, y: torch.Tensor,
+                  ) -> Callable[[], torch.Tensor]:
+    """The training step on the batch held in ``x``, ``y`` (int64 (B, T), refilled before each call):
+    forward, cross-entropy, backward, gradient clipping, AdamW; returns the loss (fp32 scalar)."""
+    def step() -> torch.Tensor:
+        # autocast's weight cache would outlive a CUDA graph capture: off (it changes no value)
+        with autocast_context(x.device, dtype, cache_enabled=False):
+            loss = lm_loss(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def captured(step: Callable[[], torch.Tensor]):
+    """``step`` captured in a CUDA graph (after the steps that ran on a side stream, as capture
+    requires): returns (replay, the loss tensor each replay writes)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    return graph.replay, loss
 
 
 def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.device,
@@ -161,17 +215,27 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         progress: show a tqdm bar on stderr.
     Returns:
         :class:`RunResult`; a non-finite training loss stops the run early with status saying so.
+        The step mode (``cfg.step_mode``) changes the speed, never the numbers.
     Raises:
         KeyboardInterrupt: passed on, after closing the progress bar.
+        ValueError: ``cfg.mode`` is "graph" on a device without CUDA graphs.
     """
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
+    mode = cfg.step_mode(device)
     batches.generator.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg, recipe, device)
-    opt, sched = make_optimizer(model, cfg)
+    opt, set_lr = make_optimizer(model, cfg)
+    x, y = batches.train_batch(device)  # the step's input buffers, refilled before every step
+    step_fn = step_function(model, opt, cfg, dtype, x, y)
+    run_step, graph_loss = step_fn, None
+    capture_at = min(3, cfg.steps - 1) if mode == "graph" else -1  # eager steps before the capture
+    side = torch.cuda.Stream(device) if mode == "graph" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))
     warm = min(10, cfg.steps // 5)  # steps left out of the throughput (JIT compilation, warm-up)
     losses, val_curve, status = [], [], "ok"
     t_warm = 0.0  # start of the timed steps, moved later by the time spent evaluating
@@ -181,23 +245,33 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     try:
         val_curve.append([0, evaluate(model, batches, cfg, device, dtype)])
         for step in range(cfg.steps):
+            if step == capture_at:
+                torch.cuda.current_stream(device).wait_stream(side)
+                run_step, graph_loss = captured(step_fn)
             if step == warm:
                 _sync(device)
                 t_warm = time.perf_counter()
-            losses.append(train_step(model, opt, sched, batches, cfg, device, dtype))
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
-                last = losses[-1].item()
-                if not math.isfinite(last):
-                    status = f"non-finite training loss at step {step}"
-                    break
-                postfix = {"loss": f"{last:.3f}"}
-                if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                    _sync(device)
-                    t_eval = time.perf_counter()
-                    val_curve.append([step + 1, evaluate(model, batches, cfg, device, dtype)])
-                    t_warm += time.perf_counter() - t_eval  # keep evaluation out of the throughput
-                    postfix["val"] = f"{val_curve[-1][1]:.3f}"
-                bar.set_postfix(postfix, refresh=False)
+            with torch.cuda.stream(side) if step < capture_at else nullcontext():
+                if step > 0:
+                    nx, ny = batches.train_batch(device)
+                    x.copy_(nx)
+                    y.copy_(ny)
+                set_lr(step)
+                loss = run_step()
+                losses.append((loss if graph_loss is None else graph_loss).clone())
+                if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
+                    last = losses[-1].item()
+                    if not math.isfinite(last):
+                        status = f"non-finite training loss at step {step}"
+                        break
+                    postfix = {"loss": f"{last:.3f}"}
+                    if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                        _sync(device)
+                        t_eval = time.perf_counter()
+                        val_curve.append([step + 1, evaluate(model, batches, cfg, device, dtype)])
+                        t_warm += time.perf_counter() - t_eval  # keep evaluation out of the throughput
+                        postfix["val"] = f"{val_curve[-1][1]:.3f}"
+                    bar.set_postfix(postfix, refresh=False)
             bar.update(1)
         _sync(device)
     finally:
@@ -213,6 +287,6 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         train_loss=sum(tail) / len(tail) if tail else float("nan"),
         val_loss=val_curve[-1][1] if status == "ok" and val_curve else float("nan"),
         tokens_per_s=(timed_steps * cfg.batch_size * cfg.seq_len / elapsed if timed_steps > 0
-                      else float("nan")),
+                      else float("nan")), mode=mode,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         wall_s=time.perf_counter() - start, train_curve=curve, val_curve=val_curve)
