@@ -155,13 +155,23 @@ def host_us(step, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def host_times(size: int = 256) -> dict:
-    """Host µs per fwd+bwd of a (size x size) bf16 nn.Linear and of NVFP4Linear, same shapes."""
+def host_times(size: int = 256, profile: bool = False) -> dict:
+    """Host µs per fwd+bwd of a (size x size) bf16 nn.Linear and of NVFP4Linear, same shapes;
+    with ``profile`` also prints NVFP4Linear's host time by function (cProfile, self time)."""
     x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     bf16 = nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
     nvfp4 = NVFP4Linear.from_linear(nn.Linear(size, size, device="cuda"), RECIPES["default"])
-    return {name: host_us(fwd_bwd(layer, x, dy)) for name, layer in (("bf16", bf16), ("nvfp4", nvfp4))}
+    times = {name: host_us(fwd_bwd(layer, x, dy)) for name, layer in (("bf16", bf16), ("nvfp4", nvfp4))}
+    if profile:
+        import cProfile
+        import pstats
+        step = fwd_bwd(nvfp4, x, dy)
+        with cProfile.Profile() as prof:
+            for _ in range(100):
+                step()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    return times
 
 
 def main():
@@ -169,9 +179,10 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["16384x4096x4096", "16384x4096x14336"])
     p.add_argument("--json", default="bench_linear.json")
     p.add_argument("--host", action="store_true", help="host time per call of a tiny layer only")
+    p.add_argument("--profile", action="store_true", help="with --host: the host time by function")
     args = p.parse_args()
     if args.host:
-        t = host_times()
+        t = host_times(profile=args.profile)
         print(f"host time per fwd+bwd, 256x256x256: bf16 nn.Linear {t['bf16']:.0f} us, "
               f"NVFP4Linear {t['nvfp4']:.0f} us ({t['nvfp4'] / t['bf16']:.1f}x)")
         return

@@ -5,6 +5,7 @@ NVFP4", arXiv 2509.25149): 2D 16x16 weight blocks, RHT on the wgrad operands, st
 gradients, per-tensor outer scales. ``docs/recipe.md`` describes every field.
 """
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -50,6 +51,19 @@ def parse_signs(value, name: str) -> Tuple[int, ...]:
     if len(signs) != BLOCK or not all(_is_number(s) and s in (1, -1) for s in signs):
         raise ValueError(f"{name}: must be {BLOCK} values of +1/-1, got {value!r}")
     return tuple(int(s) for s in signs)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(role: GemmRole, weight_2d: bool, scaling: str, sr: bool, rht: bool,
+          amax_estimation: Optional[Tuple[float, float]]) -> QuantSpec:
+    """:meth:`NVFP4Recipe.spec` of the recipe fields it reads (cached: the layer asks every step)."""
+    if role is GemmRole.W_FPROP:
+        return QuantSpec(Block.D2 if weight_2d else Block.D1)
+    amax_scale = None
+    if role.is_wgrad and amax_estimation is not None:
+        amax_scale = amax_estimation[1 if role.is_gradient else 0]
+    rounding = Rounding.SR if role.is_gradient and sr else Rounding.RN
+    return QuantSpec(Block.D1, Scaling(scaling), rounding, role.is_wgrad and rht, amax_scale)
 
 
 @dataclass
@@ -121,15 +135,8 @@ class NVFP4Recipe(AOBaseConfig):
         """How the operand ``role`` of a linear's three GEMMs is quantized (the table of
         docs/recipe.md): weights 2d (or 1d) per-tensor RN; activations and gradients 1d with the
         recipe's scaling, SR on gradients, RHT and amax estimation on the wgrad operands."""
-        role = GemmRole(role)
-        if role is GemmRole.W_FPROP:
-            return QuantSpec(Block.D2 if self.weight_2d else Block.D1)
-        amax_scale = None
-        if role.is_wgrad and self.amax_estimation is not None:
-            amax_scale = self.amax_estimation[1 if role.is_gradient else 0]
-        sr = role.is_gradient and self.stochastic_rounding
-        return QuantSpec(Block.D1, Scaling(self.scaling), Rounding.SR if sr else Rounding.RN,
-                         role.is_wgrad and self.rht, amax_scale)
+        return _spec(GemmRole(role), self.weight_2d, self.scaling, self.stochastic_rounding,
+                     self.rht, self.amax_estimation)
 
     def signs(self) -> torch.Tensor:
         """The RHT signs as a (16,) float32 tensor (TE's default vector when ``rht_signs`` is None)."""

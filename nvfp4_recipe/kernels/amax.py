@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .hadamard import hadamard16, hadamard16_abs_max
 from .rounding import abs_bits, round_to
-from .runtime import interpreting, num_sms, prune_wide_tiles
+from .runtime import Launcher, interpreting, num_sms, prune_wide_tiles
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
@@ -114,6 +114,9 @@ def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
         tl.atomic_max(col_ptr, col)
 
 
+_AMAX = Launcher(_amax_kernel)
+
+
 def check_matrix(x: torch.Tensor, rows16: bool, cols16: bool) -> None:
     """Raise TypeError/ValueError unless x is a 2-D bf16/fp16/fp32 matrix whose first (rows16) and
     last (cols16) dimensions are multiples of 16 as asked (the dimensions blocks run along)."""
@@ -156,7 +159,7 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
     sms = num_sms(x.device)
     grid = lambda meta: (min(triton.cdiv(m, 16 * meta["BB"]) * triton.cdiv(k, 16 * meta["BC"]),
                              sms * meta["P"]),)
-    _amax_kernel[grid](x, m, k, x.stride(0), x.stride(1), signs, row_buf, col_buf,
+    _AMAX[grid](x, m, k, x.stride(0), x.stride(1), signs, row_buf, col_buf,
                        ROW=row, COL=col, COL_RHT=col_rht)
     as_float = lambda b, mode: b.view(torch.float32).reshape(()) if mode == TENSOR else b.view(torch.float32)
     return (as_float(row_buf, row) if row else None, as_float(col_buf, col) if col else None)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..operand import NVFP4Operand
 from ..spec import Block
-from .runtime import check_runnable, interpreting, ptx_dequant
+from .runtime import Launcher, check_runnable, interpreting, ptx_dequant
 
 BLOCK = 16
 
@@ -156,6 +156,9 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, KB, stride_q, stride_s, stride_o,
     store_inner_tile(q, s, out_ptr, R, KB, stride_o, tile, BR, H, EVEN_K, PTX)
 
 
+_DEQUANT = Launcher(_dequant_kernel)
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation and launch
 # ----------------------------------------------------------------------------------------------
@@ -267,5 +270,5 @@ def dequantize_inner(op: NVFP4Operand, out_dtype: torch.dtype = torch.bfloat16,
     if out.numel() == 0:
         return out
     args, consts, tiles = dequant_job(op, out, cfg)
-    _dequant_kernel[(tiles,)](*args, **consts, num_warps=_dequant_config(cfg)["num_warps"])
+    _DEQUANT[(tiles,)](*args, **consts, num_warps=_dequant_config(cfg)["num_warps"])
     return out

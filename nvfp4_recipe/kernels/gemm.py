@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..operand import NVFP4Operand
 from .dequantize import BLOCK, check_codes, check_outer, dequantize_inner
-from .runtime import capability, check_runnable, interpreting, num_sms
+from .runtime import Launcher, capability, check_runnable, interpreting, num_sms
 
 METHODS = ("triton", "cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -119,6 +119,9 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
               stride_o, HAS_BIAS)
 
 
+_GEMM, _EPILOGUE = Launcher(_gemm_kernel), Launcher(_epilogue_kernel)
+
+
 # ----------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tenso
     a_desc = TensorDescriptor.from_tensor(a_inner, [cfg["BM"], cfg["BK"]])
     b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-    LAST_KERNEL["triton"] = _gemm_kernel[(min(programs, tiles),)](
+    LAST_KERNEL["triton"] = _GEMM[(min(programs, tiles),)](
         a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
         NUM_PROGRAMS=programs, **flags, **cfg)
     return out.to(out_dtype)
@@ -213,7 +216,7 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     out = c if out_dtype == torch.float32 else _kernel_out(m, n, out_dtype, c.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(n, cfg["BN"]))
-    LAST_KERNEL["epilogue"] = _epilogue_kernel[grid](c, *scales, out, m, n, c.stride(0), *strides,
+    LAST_KERNEL["epilogue"] = _EPILOGUE[grid](c, *scales, out, m, n, c.stride(0), *strides,
                                                      out.stride(0), **flags, **cfg)
     return out.to(out_dtype)
 

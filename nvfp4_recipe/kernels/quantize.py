@@ -36,7 +36,7 @@ from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_t
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
-from .runtime import inner_values_supported, interpreting, prune_wide_tiles, scalar, scalar_arg
+from .runtime import Launcher, inner_values_supported, interpreting, prune_wide_tiles, scalar, scalar_arg
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -346,6 +346,9 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
                  mask=cmask)
 
 
+_PAIR, _ROWS, _2D = Launcher(_quantize_1d_kernel), Launcher(_quantize_rows_kernel), Launcher(_quantize_2d_kernel)
+
+
 # ----------------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------------
@@ -441,7 +444,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     coff_a, coff_p = scalar(col_offset, dev)
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
         grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"] * meta["T"]))
-        _quantize_rows_kernel[grid](
+        _ROWS[grid](
             x, m, k, x.stride(0), x.stride(1), seed_a, 16, *_pointers(r), r.outer_scale, row_amax,
             float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
             MULT=row.amax_scale is not None, INNER=inner[0], SEED_PTR=seed_p, OFF_PTR=roff_p)
@@ -449,7 +452,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     dummy = x
     d_args, d_consts = _dequantize_job(dequantize, dummy)
     grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
-    _quantize_1d_kernel[grid](
+    _PAIR[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
         *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
         row_amax if r else dummy, float(row.amax_scale or 1.0) if r else 1.0, roff_a,
@@ -537,7 +540,7 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
     seed_a, seed_p = scalar(seed, dev)
     off_a, off_p = scalar(offset, dev)
     grid = lambda meta: (triton.cdiv(n, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
-    _quantize_2d_kernel[grid](
+    _2D[grid](
         w, n, k, w.stride(0), w.stride(1), amax_, float(spec.amax_scale or 1.0), seed_a, off_a, 16,
         q.view(torch.int64) if write_w else w, s if write_w else w,
         qt.view(torch.int64) if write_wt else w, st if write_wt else w, outer,
