@@ -14,6 +14,7 @@ from typing import Callable, Dict, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.autotuner import Autotuner
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -136,7 +137,7 @@ class Launcher:
         self.kernel = kernel
         self._cache: Dict[tuple, tuple] = {}
         if not interpreting():  # the interpreter's kernels have no parameter list to read
-            jit = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JITFunction
+            jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
             self._names = [p.name for p in jit.params]
             tuned = set(getattr(kernel, "keys", ()))
             self._exact = [i for i, name in enumerate(self._names) if name in tuned]
