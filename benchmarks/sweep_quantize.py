@@ -1,11 +1,12 @@
-"""Every autotune config of each NVFP4 quantize kernel, timed alone on the H200 benchmark shapes.
+"""Every autotune config of each NVFP4 quantize kernel, timed alone on the benchmark shapes.
 
 For M = 16384, K in {4096, 14336} (and with ``--small`` the `train --preset gpu` shapes M = 32768,
 K in {512, 2048}), bf16: the activation pair, the gradient pair, the rowwise RN copy, the 2D weight
-kernel and the amax kernel (global; with the RHT amax; per-token), each run with one config at a time (the autotuner's list is swapped
-in and out); every config's output is checked bit-identical to the first config's. Prints
-% of a device-to-device copy measured in the same run and writes JSON. This is how the first
-config of each list in ``kernels/quantize.py`` was chosen (docs/performance.md).
+kernel and the amax kernel (global; with the RHT amax; per-token), each run with one config at a
+time (the autotuner's list is swapped in and out); every config's output is checked
+bit-identical to the first config's. Prints % of a device-to-device copy measured in the same run
+and writes JSON. This is how the first config of each list in ``kernels/quantize.py`` and
+``kernels/amax.py`` was chosen (docs/performance.md).
 
     python benchmarks/sweep_quantize.py [--json sweep.json]
 """

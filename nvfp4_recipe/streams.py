@@ -1,10 +1,11 @@
 """A side CUDA stream for work that does not depend on what the current stream is about to do.
 
-NVFP4Linear quantizes its weight on it (``Backend.linear_fprop``: W's amax, quantize and dequantize
-passes) while the current stream quantizes the activations, and dequantizes W^T on it in backward
-while dY is quantized. Those are a dozen small kernels a layer (a few µs each at a 512-wide layer)
-that would otherwise add their launch ramps and tails to the critical path; beside the
-activations' passes they cost almost nothing (the gpu-preset training step, docs/benchmarks.md).
+The Triton backend quantizes a layer's weight on it (``TritonBackend.prepare_weight``: W's amax,
+quantize and dequantize passes) while the current stream quantizes the activations, and
+dequantizes W^T on it in backward (``TritonBackend.prepare``) while dY is quantized. Those are a
+dozen small kernels a layer (a few µs each at a 512-wide layer) that would otherwise add their
+launch ramps and tails to the critical path; beside the activations' passes they cost almost
+nothing (measured on the ``train --preset gpu`` step, CHANGELOG.md).
 
 Usage: the body of ``with SideStream(device) as side:`` runs on the side stream, which first waits
 for everything already queued on the current stream; ``side.join(outputs...)`` makes the current
@@ -13,10 +14,9 @@ allocator does not hand their memory to the side stream while the current one ma
 
 The fork happens only while a CUDA graph is being captured (``torch.cuda.graph``, torch.compile's
 "reduce-overhead" mode), where it becomes two graph edges and costs nothing at replay. In eager
-mode the body runs inline on the current stream: there the fork and join cost about 90 µs of host
-time a layer call (H200 host: a 256-wide layer's forward + backward took 185 µs longer, and the
-host-bound gpu-preset eager step 64.7 ms instead of 55.6), far more than the few µs of GPU time
-they save a small layer.
+mode the body runs inline on the current stream: there the fork and join cost more host time a
+layer call than the few µs of GPU time they save a small layer (the host-bound eager training step
+measured slower with them).
 """
 
 import functools
@@ -28,7 +28,7 @@ import torch
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     # High priority: its few small blocks are scheduled ahead of the waiting blocks of the large
     # kernels beside it, so they finish early instead of queueing behind a whole pass (at normal
-    # priority some layers got slower than on one stream; docs/benchmarks.md).
+    # priority some layers measured slower than on one stream).
     return torch.cuda.Stream(device, priority=-1)
 
 
@@ -36,7 +36,7 @@ def _tensors(outputs):
     for out in outputs:
         if isinstance(out, torch.Tensor):
             yield out
-        elif isinstance(out, (tuple, list)):  # NVFP4Data, Inner and other tuples of tensors
+        elif isinstance(out, (tuple, list)):  # NVFP4Operand and other tuples of tensors
             yield from _tensors(out)
 
 

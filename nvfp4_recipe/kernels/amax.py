@@ -6,11 +6,11 @@ amax, per-row amaxes (per-token scaling of the rowwise copy), and the global or 
 x or of the 16-point RHT of x along M (the columnwise copy), the last without writing the
 transformed tensor. The grid is persistent (a few programs per SM, each looping over tiles): a
 program folds its tiles' per-tensor maxima in registers and issues one atomic max per result at the
-end (per-index maxima: one per element and tile), which measured 13-29% faster than one program a
-tile with its own atomics. The RHT maxima fold the last butterfly stage into the maximum
-(``hadamard.hadamard16_abs_max``); a program whose result is Inf or NaN takes its tiles again with the full transform, which
-alone gives NaN where two Infs meet. The maxima are taken on the int32 bit patterns of |x|, so NaN
-wins over everything and propagates (spec item 9).
+end (per-index maxima: one per element and tile), which measured faster than one program a tile
+with its own atomics. The RHT maxima fold the last butterfly stage into the maximum
+(``hadamard.hadamard16_abs_max``); a program whose result is Inf or NaN takes its tiles again with
+the full transform, which alone gives NaN where two Infs meet. The maxima are taken on the int32
+bit patterns of |x|, so NaN wins over everything and propagates (spec item 9).
 """
 
 from typing import Optional, Tuple
@@ -30,7 +30,7 @@ NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 def _configs():
     """(BB, BC) = a tile in 16 x 16 blocks, P = programs per SM of the persistent grid. The first
     measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
-    on the H200 and is the only one with NVFP4_AUTOTUNE=0; narrower tiles for small K (see
+    on an H200 and is the only one with NVFP4_AUTOTUNE=0; narrower tiles for small K (see
     ``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]

@@ -20,7 +20,7 @@ packing; Triton picks the lanes and converts layouts before the stores. Calls wi
 copy use ``_quantize_1d_kernel`` (one tile per program, optionally with a share of another
 operand's dequantize pass riding along: NVFP4Linear's X^T in the dY pass); rowwise-only calls use
 ``_quantize_rows_kernel`` (T tiles per program along K, the next tile loaded while the current
-one is quantized), which measured faster for them and slower for the pairs .
+one is quantized), which measured faster for them and slower for the pairs.
 """
 
 from typing import Optional, Tuple, Union
@@ -88,7 +88,8 @@ def encode16(v, bits, bad, mul16, SR: tl.constexpr):
 def inner16(v, bits, scale, mul16, SR: tl.constexpr):
     """Inner values (E2M1 value x block scale) of scaled block values ``v`` (A, B, 16) whose block
     scales are ``scale`` ((A, B) fp32 E4M3 values): (A, B, 16) float16, exact, what
-    ``gemm.dequantize_inner`` gives for the codes :func:`encode16` writes (NaN for a NaN scale).
+    ``dequantize.dequantize_inner`` gives for the codes :func:`encode16` writes (NaN for a NaN
+    scale).
 
     A code (s e1 e0 m) becomes the E4M3 byte (s 0 0 e1 e0 m 0 0), worth value * 2**-6, which the
     conversion to fp16 (hardware on sm89+) and one fp16 multiply by scale * 64 finish, exactly
@@ -124,7 +125,7 @@ def quantize_block(y, s_enc6, s_dec, seed, counter, mul16, SR: tl.constexpr, INN
 def _configs(loop: bool = False):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
     per program along K (the prefetch loop of ``_quantize_rows_kernel``). The first config of each
-    list measured fastest at the benchmark shapes on the H200; it is the only one with
+    list measured fastest at the benchmark shapes on an H200; it is the only one with
     NVFP4_AUTOTUNE=0 where it fits K (``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
@@ -225,10 +226,9 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
     (16 BB, 16 BC) tile of x per program. Rowwise: the tile's (16 BB, BC, 16) row blocks;
     columnwise: its (16 BC, BB, 16) column blocks, read again right after (L1/L2 hits).
     With DEQ each program then takes every num_programs-th tile of another operand's dequantize
-    pass (``gemm.load_codes_tile``, ``store_inner_tile``): memory traffic that overlaps the
+    pass (``dequantize.load_codes_tile``, ``store_inner_tile``): memory traffic that overlaps the
     issue-bound arithmetic of the other programs on the SM, where a dequantize kernel on another
-    stream did not . Loading the tile early, into registers or L2, measured
-    slower."""
+    stream did not. Loading the tile early, into registers or L2, measured slower."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)
@@ -266,10 +266,9 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_pt
                           OFF_PTR: tl.constexpr,
                           BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
     """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
-    than :func:`_quantize_1d_kernel`). T tiles of (16 BB, 16 BC) elements of x per
-    program, along K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it
-    quantizes the current one (register double buffering: the loads of a warp overlap its
-    arithmetic)."""
+    than :func:`_quantize_1d_kernel`). T tiles of (16 BB, 16 BC) elements of x per program, along
+    K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it quantizes the
+    current one (register double buffering: the loads of a warp overlap its arithmetic)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)

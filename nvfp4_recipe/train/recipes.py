@@ -1,7 +1,7 @@
 """The recipes ``nvfp4-recipe train`` compares: the high-precision baseline and NVFP4 variants.
 
 Every NVFP4 recipe keeps the embedding (not an nn.Linear) and the output projection ``lm_head`` in
-high precision, as NVFP4 pretraining recipes do; the variants each change one field of the design's
+high precision, as NVFP4 pretraining recipes do; the variants each change one field of the
 default :class:`NVFP4Recipe` (an ablation).
 """
 
