@@ -11,6 +11,7 @@ runs on what) is ``linear.py``'s. :func:`get_backend` resolves "auto" and logs a
 """
 
 import abc
+import functools
 import importlib
 import logging
 import os
@@ -136,12 +137,20 @@ def get_backend(name: str, device: torch.device) -> Backend:
     """The backend for ``name`` ("auto", "reference", "triton", "native") on ``device``.
 
     "auto" picks native on sm100+, triton on other CUDA GPUs and reference elsewhere, falling back
-    to the next one (with a warning logged once) when a backend is unavailable.
+    to the next one (with a warning logged once) when a backend is unavailable. The answer for a
+    CUDA device is cached (a layer asks on every forward and backward); off CUDA it depends on
+    ``TRITON_INTERPRET`` and is worked out each time.
 
     Raises:
         ValueError: an unknown name, or a backend named explicitly that cannot run on ``device``.
     """
     device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_backend(name, device)
+    return _resolve(name, device)
+
+
+def _resolve(name: str, device: torch.device) -> Backend:
     if name == "auto":
         order = ["native", "triton", "reference"] if device.type == "cuda" else ["reference"]
         for i, candidate in enumerate(order):
@@ -159,3 +168,6 @@ def get_backend(name: str, device: torch.device) -> Backend:
     if name not in _INSTANCES:
         _INSTANCES[name] = _CLASSES[name]()
     return _INSTANCES[name]
+
+
+_cuda_backend = functools.lru_cache(maxsize=None)(_resolve)
