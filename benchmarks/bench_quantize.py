@@ -8,7 +8,9 @@ on smaller tensors is the ramp-up every kernel pays, L2 write-backs and launch i
 torchao 0.18's ``torch.compile``d ``NVFP4Tensor.to_nvfp4`` (rowwise, per-tensor scale) as the peer.
 Training runs an amax pass then a quantize pass; both are timed apart and together. The rows marked
 "(training)" are the variants NVFP4Linear runs on the Triton backend: the copies a GEMM uses at once
-are written as fp16 inner values (2 bytes an element) instead of codes and scales.
+are written as fp16 inner values (2 bytes an element) instead of codes and scales. The "public API"
+rows time ``NVFP4Tensor.from_hp`` as a user calls it (checks, amax pass, quantize pass, the tensor),
+their bytes those of one read and one rowwise copy.
 
     python benchmarks/bench_quantize.py [--json out.json] [--warm-procs 8]
 
@@ -26,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_gbps, environment, gbps, markdown_table, median_ms, write_json  # noqa: E402
+from nvfp4_recipe import NVFP4Tensor  # noqa: E402
 from nvfp4_recipe import reference as R  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
@@ -70,6 +73,9 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
          lambda: quantize_1d(x, X_ROW, QuantSpec(rht=True, amax_scale=2.0), signs=signs),
          4 * n + 2 * copy_out),
         ("total W 2D: amax + quantize", "total", lambda: quantize_2d(x), 4 * n + 2 * (n // 2 + n // 256)),
+        ("NVFP4Tensor.from_hp RN (public API)", "api", lambda: NVFP4Tensor.from_hp(x), 2 * n + copy_out),
+        ("NVFP4Tensor.from_hp SR + RHT (public API)", "api",
+         lambda: NVFP4Tensor.from_hp(x, rounding="sr", rht=True), 2 * n + copy_out),
     ]
 
 

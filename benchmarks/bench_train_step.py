@@ -1,13 +1,17 @@
-"""A whole training step of the ``train --preset gpu`` model under bf16 and the default NVFP4 recipe.
+"""A whole training step under bf16, the default NVFP4 recipe and torchao's float8 training.
 
-Step = forward + cross-entropy + backward + AdamW step, bf16 autocast, on random byte tokens of the
-preset's batch shape. Reports the median step time, tokens/s and peak memory of each recipe in three
+Models: ``preset`` is the ``train --preset gpu`` model (38M parameters, d_model 512, 32k tokens a
+step); ``wide`` is d_model 2048, d_ff 8192, 4 layers, 16k tokens a step, where the linears are large
+enough for the GEMMs to dominate. Step = forward + cross-entropy + backward + AdamW step, bf16
+autocast, on random byte tokens. Reports the median step time, tokens/s and peak memory in three
 modes: eager, ``torch.compile``d, and the whole eager step captured in one CUDA graph and replayed
-(AdamW with ``capturable=True``; this removes the host-side cost of launching the many small
-kernels, so it shows what the GPU work itself costs). Ratios are NVFP4/bf16 within a mode, from the
-same run. Prints a table and writes JSON.
+(AdamW with ``capturable=True`` in every mode, as the main job). The peers, torchao's float8
+training with rowwise and tensorwise scales (``convert_to_float8_training``, the same linears as
+NVFP4: all but ``lm_head``), run compiled only, the mode torchao supports for speed. Ratios are to
+bf16 in the same mode, from the same run. Prints a table and writes JSON.
 
-    python benchmarks/bench_train_step.py [--json out.json] [--modes eager compiled graph] [--profile]
+    python benchmarks/bench_train_step.py [--json out.json] [--models preset wide]
+        [--modes eager compiled graph] [--no-peers] [--profile]
 
 ``--profile`` also prints each mode's GPU time per kernel (torch.profiler; in graph mode, of the
 replays).
@@ -17,13 +21,16 @@ import argparse
 
 import torch
 
-from common import median_ms, write_json
+from common import environment, median_ms, write_json
 from nvfp4_recipe.train.loop import build_model, lm_loss, make_optimizer
 from nvfp4_recipe.train.model import count_params
 from nvfp4_recipe.train.presets import preset_config
 
 RECIPES = ("bf16", "nvfp4")
+PEERS = ("float8-rowwise", "float8-tensorwise")  # torchao, compiled only
 MODES = ("eager", "compiled", "graph")
+MODELS = {"preset": {},
+          "wide": dict(d_model=2048, d_ff=8192, n_layers=4, n_heads=16, seq_len=1024, batch_size=16)}
 
 
 def print_gpu_time(run, recipe: str, mode: str, steps: int = 5, top: int = 12) -> None:
@@ -56,10 +63,22 @@ def cuda_graph(step):
     return graph.replay
 
 
-def measure(recipe: str, mode: str, profile: bool = False) -> dict:
-    cfg = preset_config("gpu")
+def float8_model(cfg, name: str, device) -> torch.nn.Module:
+    """The bf16 baseline model with torchao's float8 training on every linear but ``lm_head``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    model = build_model(cfg, "bf16", device)
+    config = Float8LinearConfig.from_recipe_name(name.removeprefix("float8-"))
+    return convert_to_float8_training(model, config=config,
+                                      module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+
+
+def measure(model_name: str, recipe: str, mode: str, profile: bool = False) -> dict:
+    cfg = preset_config("gpu", **MODELS[model_name])
     device = torch.device("cuda")
-    model = build_model(cfg, recipe, device)
+    if recipe in PEERS:
+        model = float8_model(cfg, recipe, device)
+    else:
+        model = build_model(cfg, recipe, device)
     opt, _ = make_optimizer(model, cfg)  # capturable on CUDA in every mode, as the main job
     fwd = torch.compile(model) if mode == "compiled" else model
     g = torch.Generator(device=device).manual_seed(0)
@@ -85,26 +104,41 @@ def measure(recipe: str, mode: str, profile: bool = False) -> dict:
     ms = median_ms(run, warmup=100, rep=1000)
     if profile:
         print_gpu_time(run, recipe, mode)
+    torch._dynamo.reset()  # each compiled model starts from a clean cache
     return {"ms": ms, "tokens_per_s": cfg.batch_size * cfg.seq_len / ms * 1e3,
             "peak_bytes": torch.cuda.max_memory_allocated(), "params": count_params(model)}
+
+
+def runs(models, modes, peers: bool):
+    """(model, recipe, mode) triples to measure: bf16 and NVFP4 in each mode, the peers compiled."""
+    for model in models:
+        for mode in modes:
+            for recipe in RECIPES + (PEERS if peers and mode == "compiled" else ()):
+                yield model, recipe, mode
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="bench_train_step.json")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--no-peers", action="store_true", help="skip torchao's float8 training")
     p.add_argument("--profile", action="store_true",
                    help="also print the GPU time of each kernel of each mode's steps")
     args = p.parse_args()
-    results = {f"{r} {m}": measure(r, m, args.profile)
-               for m in args.modes for r in RECIPES}
-    write_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "config": vars(preset_config("gpu")), "results": results})
-    print("| recipe, mode | step ms | x bf16 (same mode) | tokens/s | peak GiB |\n| --- | --- | --- | --- | --- |")
+    results = {}
+    for model, recipe, mode in runs(args.models, args.modes, not args.no_peers):
+        results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile)
+        print(f"{model} {recipe} {mode}: {r['ms']:.2f} ms", flush=True)
+    write_json(args.json, {**environment(), "results": results,
+                           "models": {m: vars(preset_config("gpu", **MODELS[m])) for m in args.models}})
+    print("| model | recipe | mode | step ms | x bf16 (same mode) | tokens/s | peak GiB |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        base = results[name.replace("nvfp4", "bf16")]
-        print(f"| {name} | {r['ms']:.2f} | {r['ms'] / base['ms']:.2f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['peak_bytes'] / 2**30:.2f} |")
+        model, recipe, mode = name.split()
+        base = results[f"{model} bf16 {mode}"]
+        print(f"| {model} | {recipe} | {mode} | {r['ms']:.2f} | {r['ms'] / base['ms']:.2f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**30:.2f} |")
 
 
 if __name__ == "__main__":

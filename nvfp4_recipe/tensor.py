@@ -6,6 +6,7 @@ Matmuls of two NVFP4Tensors run as NVFP4 GEMMs on the backend the tensor was mad
 (``backends``, resolved for its device).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -19,6 +20,13 @@ from .formats import BLOCK
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe, parse_signs
 from .spec import Block, QuantSpec
+
+
+@functools.lru_cache(maxsize=64)
+def _signs_on(device: torch.device, signs: Optional[tuple]) -> torch.Tensor:
+    """RHT signs (None: the default vector) as a (16,) float32 tensor on ``device``, made once:
+    a host-to-device copy on every ``from_hp`` call would wait for the device's queued work."""
+    return NVFP4Recipe(rht_signs=signs).signs().to(device)
 
 aten = torch.ops.aten
 
@@ -103,9 +111,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
             raise ValueError("from_hp: rht_signs given, but rht=False")
         signs = None
         if rht:
-            signs = (NVFP4Recipe().signs() if rht_signs is None else
-                     torch.tensor(parse_signs(rht_signs, "from_hp: rht_signs"), dtype=torch.float32))
-            signs = signs.to(x.device)
+            signs = _signs_on(x.device, tuple(parse_signs(rht_signs, "from_hp: rht_signs"))
+                              if rht_signs is not None else None)
         op = get_backend(backend, x.device).quantize(x, spec, seed=seed, offset=offset, signs=signs)
         return cls.from_operand(op, spec, x.dtype, signs, backend)
 
