@@ -2,7 +2,8 @@
 
 ``nvfp4-recipe train`` trains one small byte-level transformer on Python source files under several
 recipes (bf16 and NVFP4 variants) with the same initialization, data order and seed, then prints a
-table and writes ``results.json`` and ``loss_curves.png`` to ``--out``.
+table and writes ``results.json`` and ``loss_curves.png`` to ``--out``. Launched by torchrun on
+several processes it trains data-parallel (``train/parallel.py``); rank 0 reports.
 """
 
 import argparse
@@ -220,7 +221,8 @@ def _check_out(out: str, overwrite: bool) -> None:
 
 def _prepare(args):
     """Validate everything, cheapest first, then load the data, so that a bad argument fails
-    before any slow work: (cfg, corpus, batches, device, dtype, precision label, out directory).
+    before any slow work: (cfg, corpus, batches, device, dtype, precision label, out directory,
+    DataParallel or None). Under torchrun the process group is set up here.
 
     Raises:
         ValueError, FileNotFoundError: a bad argument (the message is the one-line error).
@@ -228,6 +230,7 @@ def _prepare(args):
     import torch
     from .backends import get_backend
     from .train import data as D
+    from .train.parallel import DataParallel
     from .train.recipes import check_recipes, make_recipe
     check_recipes(args.recipes)
     cfg, max_bytes = _config_from_args(args)
@@ -243,6 +246,10 @@ def _prepare(args):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = _device(args.device)
+    parallel = DataParallel.from_env(device)  # under torchrun: this rank's share and device
+    if parallel is not None:
+        parallel.check_batch(cfg.batch_size)
+        device = parallel.device
     recipes = [make_recipe(name, cfg.seed, cfg.backend) for name in args.recipes]  # validates them
     if any(r is not None for r in recipes):
         get_backend(cfg.backend, device)  # raises for a backend that cannot run on the device
@@ -251,10 +258,10 @@ def _prepare(args):
     _check_out(out, args.overwrite)
     corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, cfg.seed, max_bytes)
     batches = D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
-    return cfg, corpus, batches, device, dtype, precision, out
+    return cfg, corpus, batches, device, dtype, precision, out, parallel
 
 
-def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str) -> dict:
+def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str, processes: int) -> dict:
     """What results.json records about the run besides the runs themselves."""
     from dataclasses import asdict
 
@@ -262,13 +269,15 @@ def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str) -> dic
     from .train.model import TinyLM, count_params
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": " ".join([PROG, *argv]), "preset": args.preset, "device": str(device),
-            "hardware": _hardware(device), "precision": precision, "torch": torch.__version__,
+            "hardware": _hardware(device), "processes": processes, "precision": precision,
+            "torch": torch.__version__,
             "python": platform.python_version(), "config": asdict(cfg),
             "params": count_params(TinyLM(cfg.model_config())), "data": corpus.as_dict(),
             "recipes": {name: DESCRIPTIONS[name] for name in args.recipes},
             "notes": "losses are mean next-byte cross-entropy in nats; the embedding and lm_head stay in "
                      "high precision in every recipe; train loss = mean of the last tenth of the steps; "
-                     "tokens/s leaves out evaluation and the first min(10, steps/5) steps"}
+                     "tokens/s (of all processes) leaves out evaluation and the first min(10, steps/5) "
+                     "steps; with several processes each trains on its share of every batch (DDP)"}
 
 
 def _print_header(cfg, corpus, meta: dict, recipes: Sequence[str]) -> None:
@@ -276,7 +285,8 @@ def _print_header(cfg, corpus, meta: dict, recipes: Sequence[str]) -> None:
     print(f"model: {meta['params'] / 1e6:.2f}M parameters (d_model={cfg.d_model}, n_layers={cfg.n_layers}, "
           f"n_heads={cfg.n_heads}, d_ff={cfg.d_ff}, seq_len={cfg.seq_len}); embedding and lm_head stay in "
           f"high precision under NVFP4")
-    print(f"run: {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens on {meta['hardware']}; "
+    procs = f" x {meta['processes']} processes (DDP)" if meta["processes"] > 1 else ""
+    print(f"run: {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens on {meta['hardware']}{procs}; "
           f"precision: {meta['precision']}; recipes: {' '.join(recipes)}", flush=True)
 
 
@@ -290,17 +300,34 @@ def train_command(args, argv: Sequence[str]) -> int:
     """
     start = time.perf_counter()
     try:
-        cfg, corpus, batches, device, dtype, precision, out = _prepare(args)
+        cfg, corpus, batches, device, dtype, precision, out, parallel = _prepare(args)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     from .train.loop import train_run
+    try:
+        if parallel is not None and not parallel.is_main:  # trains beside rank 0, silently
+            for name in args.recipes:
+                train_run(name, cfg, batches, device, dtype, progress=False, parallel=parallel)
+            return 0
+        return _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision,
+                                 out, parallel)
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision, out,
+                      parallel) -> int:
+    """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
+    from .train.loop import train_run
     from .train.report import format_table
-    meta = _meta(args, argv, cfg, corpus, device, precision)
+    meta = _meta(args, argv, cfg, corpus, device, precision, 1 if parallel is None else parallel.world)
     _print_header(cfg, corpus, meta, args.recipes)
     results, status = [], 0
     try:
         for name in args.recipes:
-            result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress)
+            result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress,
+                               parallel=parallel)
             results.append(result)
             print(f"{name}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} nats, "
                   f"{result.wall_s:.0f} s", flush=True)

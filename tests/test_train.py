@@ -146,7 +146,7 @@ def test_out_must_be_a_writable_directory_without_earlier_results(tmp_path, caps
     assert status == 0 and replaced["date"] >= first["date"] and replaced["command"].endswith("--overwrite")
 
 
-def _fake_run(recipe, cfg, batches, device, dtype, progress=True):
+def _fake_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None):
     """Stands in for loop.train_run: bf16 'finishes' at once, any other recipe is interrupted."""
     if recipe != "bf16":
         raise KeyboardInterrupt

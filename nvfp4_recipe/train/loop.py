@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .data import Batches
 from .model import ModelConfig, TinyLM, count_params
+from .parallel import DataParallel
 from .recipes import apply_recipe, quantized_fraction
 
 
@@ -136,9 +137,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, sched, batches: Batches, cfg: TrainConfig, device, dtype) -> torch.Tensor:
-    """One optimizer step on the next training batch; returns the loss (fp32 scalar, on device)."""
+def train_step(model, opt, sched, batches: Batches, cfg: TrainConfig, device, dtype,
+               parallel: Optional[DataParallel] = None) -> torch.Tensor:
+    """One optimizer step on the next training batch; returns the loss (fp32 scalar, on device).
+    With ``parallel``, this rank trains on its share of the batch and the loss returned is the
+    mean over the ranks (the loss of the whole batch)."""
     x, y = batches.train_batch(device)
+    if parallel is not None:
+        x, y = parallel.shard(x), parallel.shard(y)
     with autocast_context(device, dtype):
         loss = lm_loss(model, x, y)
     loss.backward()
@@ -146,11 +152,12 @@ def train_step(model, opt, sched, batches: Batches, cfg: TrainConfig, device, dt
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    return loss.detach()
+    return loss.detach() if parallel is None else parallel.mean(loss)
 
 
 def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.device,
-              dtype: Optional[torch.dtype], progress: bool = True) -> RunResult:
+              dtype: Optional[torch.dtype], progress: bool = True,
+              parallel: Optional[DataParallel] = None) -> RunResult:
     """Train one recipe for ``cfg.steps`` steps and evaluate it.
 
     Args:
@@ -159,6 +166,9 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         device: where to train.
         dtype: autocast dtype (torch.bfloat16) or None for the default dtype (float32).
         progress: show a tqdm bar on stderr.
+        parallel: data parallelism over torchrun's processes (:mod:`.parallel`): the model in DDP,
+            each rank its share of every batch; rank 0 evaluates (the others' val losses are NaN)
+            and tokens/s counts the tokens of all ranks.
     Returns:
         :class:`RunResult`; a non-finite training loss stops the run early with status saying so.
     Raises:
@@ -171,6 +181,15 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg, recipe, device)
+    if parallel is not None:
+        model = parallel.wrap(model)
+    evaluated = model.module if parallel is not None else model  # no DDP hooks in evaluation
+
+    def validate() -> float:
+        if parallel is not None and not parallel.is_main:
+            return float("nan")
+        return evaluate(evaluated, batches, cfg, device, dtype)
+
     opt, sched = make_optimizer(model, cfg)
     warm = min(10, cfg.steps // 5)  # steps left out of the throughput (JIT compilation, warm-up)
     losses, val_curve, status = [], [], "ok"
@@ -179,12 +198,12 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     bar = tqdm(total=cfg.steps, desc=f"{recipe:>16}", unit="step", disable=not progress,
                mininterval=0.5 if interactive else 15, file=sys.stderr, dynamic_ncols=True)
     try:
-        val_curve.append([0, evaluate(model, batches, cfg, device, dtype)])
+        val_curve.append([0, validate()])
         for step in range(cfg.steps):
             if step == warm:
                 _sync(device)
                 t_warm = time.perf_counter()
-            losses.append(train_step(model, opt, sched, batches, cfg, device, dtype))
+            losses.append(train_step(model, opt, sched, batches, cfg, device, dtype, parallel))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
                 last = losses[-1].item()
                 if not math.isfinite(last):
@@ -194,7 +213,7 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                     _sync(device)
                     t_eval = time.perf_counter()
-                    val_curve.append([step + 1, evaluate(model, batches, cfg, device, dtype)])
+                    val_curve.append([step + 1, validate()])
                     t_warm += time.perf_counter() - t_eval  # keep evaluation out of the throughput
                     postfix["val"] = f"{val_curve[-1][1]:.3f}"
                 bar.set_postfix(postfix, refresh=False)
