@@ -512,3 +512,44 @@ def test_tensor_parallel_refuses_shards_of_partial_blocks_and_plain_inputs(tp_ru
     errors = tp_run["errors"]
     assert errors["narrow"].startswith("ValueError") and "multiple of 16 x 2 ranks" in errors["narrow"]
     assert errors["plain_input"].startswith("TypeError") and "DTensor input" in errors["plain_input"]
+
+
+def _fsdp_tp_worker(rank, world, out):
+    """2 x 2 mesh: fully_shard over "dp", fc1 ColwiseParallel and fc2 RowwiseParallel over "tp";
+    SR ranks from the "dp" dimension; one backward of dp rank r's shard of a global batch with a
+    given output gradient (a loss of the output would differ from the unsharded one's by the
+    rounding of the rowwise partial sums)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    set_sr_rank(model, mesh["dp"])
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    x, dy = _batches()[0]
+    dp = mesh["dp"].get_local_rank()
+    model(_shard(x, dp)).backward(_shard(dy, dp))
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out / "fsdp_tp.pt")
+
+
+def test_fsdp2_over_tensor_parallel_2d_mesh_matches_data_parallel_emulation(tmp_path):
+    """FSDP2 on the data-parallel dimension of a 2 x 2 mesh over tensor-parallel layers, SR ranks
+    from that dimension (tensor-parallel ranks share streams): the averaged weight and bias
+    gradients are the single-process emulation's (one unsharded replica per data-parallel rank),
+    bit for bit: tensor parallelism computes them without partial sums (see above)."""
+    spawn(_fsdp_tp_worker, tmp_path, world=4)
+    got = torch.load(tmp_path / "fsdp_tp.pt")
+    replicas = [_model() for _ in range(WORLD)]
+    x, dy = _batches()[0]
+    for r, m in enumerate(replicas):
+        for layer in (m[0], m[2]):
+            layer.sr_rank = r
+        m(_shard(x, r)).backward(_shard(dy, r))
+    for name, p in replicas[0].named_parameters():
+        q = dict(replicas[1].named_parameters())[name]
+        assert torch.equal(got[name], (p.grad + q.grad) / WORLD), name
