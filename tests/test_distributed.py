@@ -228,18 +228,19 @@ def _halves_reducer(whole_amax, calls):
     return reduce
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend, where", [("reference", "cpu"), ("triton", "cpu"),
+                                            pytest.param("triton", "cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("sp", [spec(), spec(rht=True), spec(scaling="per_token", rht=True),
                                 spec(rht=True, amax_scale=2.0)], ids=idfn)
-def test_amax_reduce_quantizes_a_row_shard_as_the_whole_tensor(backend, sp):
+def test_amax_reduce_quantizes_a_row_shard_as_the_whole_tensor(backend, where, sp):
     """The top half of x (rows cut, as a tensor-parallel shard), quantized with a reducer that
     returns the whole tensor's amax, is the top half of x's quantization: the rowwise copy its
     rows, the columnwise copy (blocks along the rows) its first block columns, the 2d weight its
     first tile rows and W^T's first tile columns; the reducer sees the shard's own measured amax
     (before amax estimation's factor, which applies to the reduced amax). (RN: a
     column shard's SR counters differ from the whole's, see ``distributed.py``.)"""
-    be = get_backend(backend, torch.device("cpu"))
-    x, signs, half = rand((64, 64)), signs_for(), 32
+    be = get_backend(backend, torch.device(where))
+    x, signs, half = rand((64, 64), device=where), signs_for().to(where), 32
     top = x[:half]
     row = spec()  # the rowwise copy of a pair never takes the RHT
     calls = []

@@ -23,9 +23,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import reference as R
+from ..kernels import amax as A
 from ..kernels import gemm as G
 from ..kernels.dequantize import dequantize_inner
-from ..kernels import amax as A
 from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
 from ..kernels.runtime import inner_values_supported
 from ..operand import NVFP4Operand
