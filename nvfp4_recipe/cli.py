@@ -255,7 +255,8 @@ def _prepare(args):
         get_backend(cfg.backend, device)  # raises for a backend that cannot run on the device
     dtype, precision = _precision(args.precision, device)
     out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    _check_out(out, args.overwrite)
+    if parallel is None or parallel.is_main:  # rank 0 writes (a failure there stops torchrun)
+        _check_out(out, args.overwrite)
     corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, cfg.seed, max_bytes)
     batches = D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
     return cfg, corpus, batches, device, dtype, precision, out, parallel
@@ -293,7 +294,8 @@ def _print_header(cfg, corpus, meta: dict, recipes: Sequence[str]) -> None:
 def train_command(args, argv: Sequence[str]) -> int:
     """Run ``nvfp4-recipe train``; returns the exit status (0, or 130 when interrupted).
 
-    Results are written after every finished run, so an interrupt (or a crash) keeps them.
+    Results are written after every finished run, so an interrupt (or a crash) keeps them. Under
+    torchrun with several processes, each trains data-parallel and rank 0 reports.
 
     Raises:
         UsageError: a bad argument.
@@ -303,9 +305,9 @@ def train_command(args, argv: Sequence[str]) -> int:
         cfg, corpus, batches, device, dtype, precision, out, parallel = _prepare(args)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
-    from .train.loop import train_run
     try:
         if parallel is not None and not parallel.is_main:  # trains beside rank 0, silently
+            from .train.loop import train_run
             for name in args.recipes:
                 train_run(name, cfg, batches, device, dtype, progress=False, parallel=parallel)
             return 0
