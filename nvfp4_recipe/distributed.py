@@ -83,7 +83,8 @@ def set_sr_rank(model: nn.Module, group: GroupLike = None) -> int:
     the whole world for plain DDP/FSDP, the data-parallel dimension of a mesh that also has a
     tensor-parallel one (ranks of one tensor-parallel group must share their streams, so that a
     replicated gradient is quantized alike on all of them). The rank is an attribute, not a
-    buffer: it is not saved in checkpoints, and DDP's buffer broadcast leaves it alone.
+    buffer: it is not saved in checkpoints, and DDP's buffer broadcast leaves it alone. Layers
+    made later (another ``quantize_``) start at rank 0.
 
     Raises:
         ValueError: no NVFP4Linear in ``model`` (call ``quantize_`` first), or a bad ``group``
