@@ -10,8 +10,8 @@ Tensor parallelism (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseP
 ``NVFP4Linear`` whose weight is a DTensor runs :func:`tensor_parallel_forward`: the layer's
 algorithm on the local shards, with the amax of every sharded operand reduced (max) over the
 tensor-parallel group between the amax and the quantize pass, so each shard is quantized with the
-whole tensor's outer scale, as torchao's tensor-parallel float8 path does with its scales. Which
-operand is split how (:data:`SPLITS`)::
+whole tensor's outer scale, as torchao's float8 training scales DTensor operands by their global
+amax. Which operand is split how (:data:`SPLITS`)::
 
     ColwiseParallel (W: Shard(0), N split)   RowwiseParallel (W: Shard(1), K split)
     W (fprop, W^T) rows                       W (fprop, W^T) columns
@@ -175,8 +175,9 @@ def tensor_parallel_forward(layer: NVFP4Linear, x: DTensor) -> DTensor:
     input gradient comes back as partial sums (Partial). Rowwise (weight Shard(1)): x is made
     Shard(-1); returns Y as Partial sums (the RowwiseParallel output hook all-reduces or
     reduce-scatters them in the output dtype), the bias entering each rank's sum divided by the
-    group size, as DTensor does for nn.Linear. The local computation is the layer's algorithm with
-    amaxes reduced over the group (:class:`TensorParallelShard`); eager mode only.
+    group size (DTensor's rule for turning a replicated tensor into partial sums). The local
+    computation is the layer's algorithm with amaxes reduced over the group
+    (:class:`TensorParallelShard`); eager mode only.
 
     Args:
         layer: the NVFP4Linear (weight and bias DTensors as ColwiseParallel / RowwiseParallel
