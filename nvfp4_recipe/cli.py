@@ -2,7 +2,8 @@
 
 ``nvfp4-recipe train`` trains one small byte-level transformer on Python source files under several
 recipes (bf16 and NVFP4 variants) with the same initialization, data order and seed, then prints a
-table and writes ``results.json`` and ``loss_curves.png`` to ``--out``.
+table and writes ``results.json`` and ``loss_curves.png`` to ``--out``. Launched by torchrun on
+several processes it trains data-parallel (``train/parallel.py``); rank 0 reports.
 """
 
 import argparse
@@ -224,7 +225,8 @@ def _check_out(out: str, overwrite: bool) -> None:
 
 def _prepare(args):
     """Validate everything, cheapest first, then load the data, so that a bad argument fails
-    before any slow work: (cfg, corpus, batches, device, dtype, precision label, out directory).
+    before any slow work: (cfg, corpus, batches, device, dtype, precision label, out directory,
+    DataParallel or None). Under torchrun the process group is set up here.
 
     Raises:
         ValueError, FileNotFoundError: a bad argument (the message is the one-line error).
@@ -232,6 +234,7 @@ def _prepare(args):
     import torch
     from .backends import get_backend
     from .train import data as D
+    from .train.parallel import DataParallel
     from .train.recipes import check_recipes, make_recipe
     check_recipes(args.recipes)
     cfg, max_bytes = _config_from_args(args)
@@ -247,19 +250,24 @@ def _prepare(args):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = _device(args.device)
-    cfg.step_mode(device)  # --mode graph needs CUDA
+    parallel = DataParallel.from_env(device)  # under torchrun: this rank's share and device
+    if parallel is not None:
+        parallel.check_batch(cfg.batch_size)
+        device = parallel.device
+    cfg.step_mode(device, parallel is not None)  # --mode graph needs CUDA and one process
     recipes = [make_recipe(name, cfg.seed, cfg.backend) for name in args.recipes]  # validates them
     if any(r is not None for r in recipes):
         get_backend(cfg.backend, device)  # raises for a backend that cannot run on the device
     dtype, precision = _precision(args.precision, device)
     out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    _check_out(out, args.overwrite)
+    if parallel is None or parallel.is_main:  # rank 0 writes (a failure there stops torchrun)
+        _check_out(out, args.overwrite)
     corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, cfg.seed, max_bytes)
     batches = D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
-    return cfg, corpus, batches, device, dtype, precision, out
+    return cfg, corpus, batches, device, dtype, precision, out, parallel
 
 
-def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str) -> dict:
+def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str, processes: int) -> dict:
     """What results.json records about the run besides the runs themselves."""
     from dataclasses import asdict
 
@@ -267,13 +275,15 @@ def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str) -> dic
     from .train.model import TinyLM, count_params
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": " ".join([PROG, *argv]), "preset": args.preset, "device": str(device),
-            "hardware": _hardware(device), "precision": precision, "torch": torch.__version__,
+            "hardware": _hardware(device), "processes": processes, "precision": precision,
+            "torch": torch.__version__,
             "python": platform.python_version(), "config": asdict(cfg),
             "params": count_params(TinyLM(cfg.model_config())), "data": corpus.as_dict(),
             "recipes": {name: DESCRIPTIONS[name] for name in args.recipes},
             "notes": "losses are mean next-byte cross-entropy in nats; the embedding and lm_head stay in "
                      "high precision in every recipe; train loss = mean of the last tenth of the steps; "
-                     "tokens/s leaves out evaluation and the first min(10, steps/5) steps"}
+                     "tokens/s (of all processes) leaves out evaluation and the first min(10, steps/5) "
+                     "steps; with several processes each trains on its share of every batch (DDP)"}
 
 
 def _print_header(cfg, corpus, meta: dict, recipes: Sequence[str]) -> None:
@@ -281,31 +291,50 @@ def _print_header(cfg, corpus, meta: dict, recipes: Sequence[str]) -> None:
     print(f"model: {meta['params'] / 1e6:.2f}M parameters (d_model={cfg.d_model}, n_layers={cfg.n_layers}, "
           f"n_heads={cfg.n_heads}, d_ff={cfg.d_ff}, seq_len={cfg.seq_len}); embedding and lm_head stay in "
           f"high precision under NVFP4")
-    print(f"run: {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens on {meta['hardware']}; "
+    procs = f" x {meta['processes']} processes (DDP)" if meta["processes"] > 1 else ""
+    print(f"run: {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens on {meta['hardware']}{procs}; "
           f"precision: {meta['precision']}; recipes: {' '.join(recipes)}", flush=True)
 
 
 def train_command(args, argv: Sequence[str]) -> int:
     """Run ``nvfp4-recipe train``; returns the exit status (0, or 130 when interrupted).
 
-    Results are written after every finished run, so an interrupt (or a crash) keeps them.
+    Results are written after every finished run, so an interrupt (or a crash) keeps them. Under
+    torchrun with several processes, each trains data-parallel and rank 0 reports.
 
     Raises:
         UsageError: a bad argument.
     """
     start = time.perf_counter()
     try:
-        cfg, corpus, batches, device, dtype, precision, out = _prepare(args)
+        cfg, corpus, batches, device, dtype, precision, out, parallel = _prepare(args)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
+    try:
+        if parallel is not None and not parallel.is_main:  # trains beside rank 0, silently
+            from .train.loop import train_run
+            for name in args.recipes:
+                train_run(name, cfg, batches, device, dtype, progress=False, parallel=parallel)
+            return 0
+        return _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision,
+                                 out, parallel)
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision, out,
+                      parallel) -> int:
+    """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
     from .train.loop import train_run
     from .train.report import format_table
-    meta = _meta(args, argv, cfg, corpus, device, precision)
+    meta = _meta(args, argv, cfg, corpus, device, precision, 1 if parallel is None else parallel.world)
     _print_header(cfg, corpus, meta, args.recipes)
     results, status = [], 0
     try:
         for name in args.recipes:
-            result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress)
+            result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress,
+                               parallel=parallel)
             results.append(result)
             print(f"{name}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} nats, "
                   f"{result.wall_s:.0f} s, {result.mode} steps", flush=True)

@@ -7,13 +7,19 @@ The recipe table of docs/recipe.md (after NVIDIA, arXiv 2509.25149, section 4):
     wgrad  dW = dY^T X   dY^T: RHT + 1D, SR   X^T: RHT + 1D, RN   (blocks along tokens)
 
 The weight stays a high-precision master parameter; it is quantized on every forward. Backward
-keeps the quantized columnwise X^T (and W^T), not the high-precision X.
+keeps the quantized columnwise X^T (and W^T), not the high-precision X. A tensor-parallel layer
+(DTensor weight) runs the same algorithm on its shards (``distributed.py``).
 """
 
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 from torch import nn
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a build without torch.distributed has no DTensor weights
+    DTensor = ()
 
 from . import ops
 from .backends import Backend, get_backend
@@ -23,33 +29,62 @@ from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import Block, GemmRole
 from .tensor import NVFP4Tensor
 
-__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads"]
+if TYPE_CHECKING:
+    from .distributed import TensorParallelShard
+
+__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads", "sr_key"]
 
 _BUFFERS = ("rht_signs", "sr_seed", "sr_step")
 
 
+def sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:
+    """The 64-bit Philox key of a backward's SR stream: ``sr_seed + sr_rank + (sr_step << 32)``,
+    an int64 device scalar (no host sync). Distinct for every (rank, step) of a layer, since
+    ``sr_seed`` and ``sr_rank`` are below 2**32; ``sr_rank`` 0 (one process) adds nothing."""
+    key = torch.add(sr_seed, sr_step, alpha=1 << 32)  # one kernel
+    return key + sr_rank if sr_rank else key
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (``parallelize_module`` replicates a layer's buffers), else t."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _amax_reduce(shard: Optional["TensorParallelShard"], recipe: NVFP4Recipe, role: GemmRole):
+    """The amax reducer of operand ``role`` (None: its own amax)."""
+    return None if shard is None else shard.amax_reduce(role, recipe.spec(role))
+
+
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
-                 need_xt: bool) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand]]:
+                 need_xt: bool, shard: Optional["TensorParallelShard"] = None,
+                 ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand]]:
     """fprop of an NVFP4 linear: ``Y = Q(X) @ Q(W)^T + bias`` on backend ``be``.
 
     Args:
         x: (M, K) activations; weight: W (N, K); bias: None or (N,).
         signs: (16,) RHT signs of the wgrad copy X^T.
         need_wt, need_xt: also quantize W^T (K, N) for dgrad and X^T (K, M) for wgrad.
+        shard: None, or the tensor-parallel layout of these local shards
+            (:class:`distributed.TensorParallelShard`): the amaxes of sharded operands are
+            reduced over the group, so each shard is quantized as the whole tensor is.
     Returns:
         (Y (M, N) of ``out_dtype``, W^T or None, X^T or None): the copies backward keeps, as codes.
     """
-    w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt)
+    w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
+                              amax_reduce=_amax_reduce(shard, recipe, GemmRole.W_FPROP))
     xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP),
                                  recipe.spec(GemmRole.X_WGRAD) if need_xt else None,
-                                 signs=signs, transient=(True, False))
+                                 signs=signs, transient=(True, False),
+                                 amax_reduce=(_amax_reduce(shard, recipe, GemmRole.X_FPROP),
+                                              _amax_reduce(shard, recipe, GemmRole.X_WGRAD)))
     return be.mm(xq, w, bias=bias, out_dtype=out_dtype), wt, xt
 
 
 def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
                  xt: Optional[NVFP4Operand], recipe: NVFP4Recipe, signs: torch.Tensor,
                  seed: torch.Tensor, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
+                 shard: Optional["TensorParallelShard"] = None,
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """dgrad and wgrad of an NVFP4 linear from dY (M, N) on backend ``be``.
 
@@ -57,17 +92,25 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
     offset ``SR_OFFSETS[DY_DGRAD]``). wgrad (with X^T (K, M)): ``dW = Q(dY^T) @ (X^T)^T``, dY^T
     quantized along the tokens (RHT, SR at offset ``SR_OFFSETS[DY_WGRAD]``). Both copies of dY
     come from one read; X^T is prepared for its GEMM in that pass where the backend can.
+    ``shard``: as in :func:`linear_fprop`; a shard's SR counters also start where its rows start
+    in the whole operand where rows are split (``TensorParallelShard.sr_offset``).
 
     Returns:
         (dX (M, K) of ``dx_dtype`` or None, dW (N, K) of ``dw_dtype`` or None).
     """
     if wt is not None:
         wt = be.prepare(wt)
+    (m, n), offsets = dy.shape, dict(SR_OFFSETS)
+    if shard is not None:
+        offsets[GemmRole.DY_DGRAD] += shard.sr_offset(GemmRole.DY_DGRAD, m, n)
+        offsets[GemmRole.DY_WGRAD] += shard.sr_offset(GemmRole.DY_WGRAD, n, m)
     dyq, dytq, xt = be.quantize_pair(
         dy, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
         recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
-        row_offset=SR_OFFSETS[GemmRole.DY_DGRAD], col_offset=SR_OFFSETS[GemmRole.DY_WGRAD],
-        signs=signs, transient=(True, True), prepare=xt)
+        row_offset=offsets[GemmRole.DY_DGRAD], col_offset=offsets[GemmRole.DY_WGRAD],
+        signs=signs, transient=(True, True), prepare=xt,
+        amax_reduce=(_amax_reduce(shard, recipe, GemmRole.DY_DGRAD),
+                     _amax_reduce(shard, recipe, GemmRole.DY_WGRAD)))
     dx = None if dyq is None else be.mm(dyq, wt, out_dtype=dx_dtype)
     del dyq  # frees dY's copy before the wgrad GEMM
     dw = None if dytq is None else be.mm(dytq, xt, out_dtype=dw_dtype)
@@ -89,21 +132,31 @@ def _backend_name(name: str, device: torch.device) -> str:
     return get_backend(name, device).name
 
 
+def _fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool, need_xt: bool,
+           backend: str, shard: Optional["TensorParallelShard"]):
+    """:func:`linear_fprop` through ``ops`` (a custom op under torch.compile), or directly for a
+    tensor-parallel shard (eager mode only)."""
+    if shard is None:
+        return ops.fprop(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend)
+    return linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs, out_dtype,
+                        need_wt, need_xt, shard)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (:func:`linear_fprop`,
     :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: str,
-                out_dtype: torch.dtype):
+                out_dtype: torch.dtype, sr_rank: int, shard: Optional["TensorParallelShard"]):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dw and x.shape[0] % BLOCK:
             raise ValueError(f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the "
                              f"number of tokens (product of the input's leading dims) must be a "
                              f"multiple of {BLOCK}, got {x.shape[0]} (inference under torch.no_grad "
                              f"takes any number)")
-        y, wt, xt = ops.fprop(x, weight, bias, recipe, signs, out_dtype, need_dx, need_dw, backend)
-        ctx.recipe, ctx.backend = recipe, backend
+        y, wt, xt = _fprop(x, weight, bias, recipe, signs, out_dtype, need_dx, need_dw, backend, shard)
+        ctx.recipe, ctx.backend, ctx.sr_rank, ctx.shard = recipe, backend, sr_rank, shard
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         none3 = (None, None, None)
@@ -118,16 +171,21 @@ class _NVFP4LinearFn(torch.autograd.Function):
         w_block = Block.D2 if ctx.recipe.weight_2d else Block.D1
         wt = NVFP4Operand(*saved[0:3], w_block) if saved[0] is not None else None
         xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None else None
-        seed = torch.add(sr_seed, sr_step, alpha=1 << 32)  # one kernel
+        seed = sr_key(sr_seed, sr_step, ctx.sr_rank)
         sr_step.add_(1)  # a mutation in backward: torch.compile and CUDA graphs keep it
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wt, xt = wt if need_dx else None, xt if need_dw else None
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = ops.grads(dy, wt if need_dx else None, xt if need_dw else None, ctx.recipe,
-                               signs, seed, ctx.x_dtype, ctx.w_dtype, ctx.backend)
+            if ctx.shard is None:
+                dx, dw = ops.grads(dy, wt, xt, ctx.recipe, signs, seed, ctx.x_dtype, ctx.w_dtype,
+                                   ctx.backend)
+            else:
+                dx, dw = linear_grads(get_backend(ctx.backend, dy.device), dy, wt, xt, ctx.recipe,
+                                      signs, seed, ctx.x_dtype, ctx.w_dtype, ctx.shard)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class NVFP4Linear(nn.Linear):
@@ -150,10 +208,19 @@ class NVFP4Linear(nn.Linear):
         sr_seed: int64 scalar, this layer's Philox key (low 32 bits): ``(recipe.seed +
             layer_seed) mod 2**32``.
         sr_step: int64 scalar, advanced by every backward; a backward's SR stream is keyed by
-            ``sr_seed + (sr_step << 32)`` with the value before the advance.
+            ``sr_seed + sr_rank + (sr_step << 32)`` (:func:`sr_key`) with the value before the
+            advance.
     ``reset_parameters()`` resets them too, and moving the layer off the meta device
     (``to_empty``) sets them, so a model built on the meta device and materialized gets the same
     buffers as one built on a real device; a loaded state dict overrides them.
+
+    ``sr_rank`` (an int attribute, not a buffer, 0 by default): this process's rank among the
+    data-parallel ranks, set by ``distributed.set_sr_rank`` so that ranks draw independent SR
+    streams. It is neither saved nor broadcast (DDP broadcasts buffers).
+
+    A weight that is a DTensor sharded over a 1-D mesh (``parallelize_module`` with
+    ``ColwiseParallel`` / ``RowwiseParallel``) makes the layer tensor parallel:
+    ``distributed.tensor_parallel_forward``.
 
     Raises:
         ValueError: a feature count not a positive multiple of 16; a token count not a multiple of
@@ -168,6 +235,7 @@ class NVFP4Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = recipe if recipe is not None else NVFP4Recipe()
         self.layer_seed = layer_seed
+        self.sr_rank = 0
         self.captured = None  # a dict while ``inspect.capture`` records this layer
         self._register_recipe_buffers(device)
 
@@ -181,9 +249,9 @@ class NVFP4Linear(nn.Linear):
     def reset_recipe_buffers(self) -> None:
         """Set ``rht_signs``, ``sr_seed`` and ``sr_step`` (in place) to the values the recipe and
         the layer seed give a new layer (see the class docstring)."""
-        self.rht_signs.copy_(self.recipe.signs())
-        self.sr_seed.fill_((self.recipe.seed + self.layer_seed) & 0xFFFFFFFF)
-        self.sr_step.zero_()
+        _local(self.rht_signs).copy_(self.recipe.signs())
+        _local(self.sr_seed).fill_((self.recipe.seed + self.layer_seed) & 0xFFFFFFFF)
+        _local(self.sr_step).zero_()
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization of ``weight`` and ``bias``, and :meth:`reset_recipe_buffers`."""
@@ -222,24 +290,39 @@ class NVFP4Linear(nn.Linear):
         return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"NVFP4Linear expects input (..., {self.in_features}), got {tuple(x.shape)}")
-        backend = _backend_name(self.recipe.backend, self.weight.device)
+        if isinstance(self.weight, DTensor):
+            from .distributed import tensor_parallel_forward
+            return tensor_parallel_forward(self, x)
+        return self.local_forward(x, self.weight, self.bias)
+
+    def local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      shard: Optional["TensorParallelShard"] = None) -> torch.Tensor:
+        """The layer's forward on (local) tensors: x (..., K) -> (..., N) for weight (N, K) and
+        bias (N,) or None, this layer's parameters or, with ``shard``, their tensor-parallel
+        shards (amaxes reduced over the group)."""
+        n, k = weight.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"NVFP4Linear expects input (..., {k}), got {tuple(x.shape)}")
+        backend = _backend_name(self.recipe.backend, weight.device)
         out_dtype = _out_dtype(x)
-        x2 = x.reshape(-1, self.in_features)
+        signs = _local(self.rht_signs)
+        x2 = x.reshape(-1, k)
         with torch.autocast(x.device.type, enabled=False):
             if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
-                y = nn.functional.linear(x2.to(self.weight.dtype), self.weight, self.bias).to(out_dtype)
+                y = nn.functional.linear(x2.to(weight.dtype), weight, bias).to(out_dtype)
             elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (x, self.weight, self.bias)):
-                y = _NVFP4LinearFn.apply(x2, self.weight, self.bias, self.rht_signs, self.sr_seed,
-                                         self.sr_step, self.recipe, backend, out_dtype)
+                                                 for t in (x, weight, bias)):
+                y = _NVFP4LinearFn.apply(x2, weight, bias, signs, _local(self.sr_seed),
+                                         _local(self.sr_step), self.recipe, backend, out_dtype,
+                                         self.sr_rank, shard)
             else:
-                y = ops.fprop(x2, self.weight, self.bias, self.recipe, self.rht_signs, out_dtype,
-                              False, False, backend)[0]
-            if self.captured is not None and x2.shape[0]:
+                y = _fprop(x2, weight, bias, self.recipe, signs, out_dtype, False, False, backend,
+                           shard)[0]
+            if self.captured is not None and x2.shape[0] and shard is None:
                 self._capture(x2, y, backend)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        # _unsafe_view: the (..., N) result is not a view of the (M, N) GEMM output, as with
+        # nn.Linear (aten::matmul), so in-place ops and FSDP2 (which warns on views) take it
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], n))
 
     def quantized_weight(self) -> NVFP4Tensor:
         """The weight as fprop quantizes it (the recipe's W spec, the layer's backend), as an
@@ -269,7 +352,7 @@ class NVFP4Linear(nn.Linear):
             if x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
                 self.captured.update(xt=tensor(x2.t(), GemmRole.X_WGRAD))
         if y.requires_grad:
-            seed = torch.add(self.sr_seed, self.sr_step, alpha=1 << 32)  # before backward advances it
+            seed = sr_key(self.sr_seed, self.sr_step, self.sr_rank)  # before backward advances it
 
             def record_dy(dy):
                 with torch.no_grad():

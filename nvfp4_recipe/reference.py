@@ -296,6 +296,24 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
     return NVFP4Operand(pack_nibbles(codes), scale, s_dec, spec.block)
 
 
+def operand_amax(x: torch.Tensor, spec: QuantSpec,
+                 rht_signs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 amax :func:`quantize` measures for ``x`` under ``spec`` (a scalar, or (..., M) per
+    token): max |RHT(x)| for an RHT operand, else max |x|; with amax estimation max |x|, which
+    ``quantize`` then multiplies by ``spec.amax_scale``. What a caller reduces (a max) across the
+    shards of a tensor before quantizing a shard (tensor parallelism).
+
+    Raises:
+        TypeError, ValueError: as :func:`quantize`.
+    """
+    check_input(x, spec)
+    if spec.rht and spec.amax_scale is None:
+        if rht_signs is None:
+            raise ValueError("an RHT operand needs rht_signs")
+        return amax(rht(x, rht_signs), spec.scaling)
+    return amax(x, spec.scaling)
+
+
 def expand_scale(scale: torch.Tensor, block: Block) -> torch.Tensor:
     """Block scales as one row per data row, float32: (…, M, K/16); 2d scales repeat 16 times."""
     s = scale.float()

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nvfp4_recipe import cli
 from nvfp4_recipe.train import data as D
-from nvfp4_recipe.train.loop import RunResult
+from nvfp4_recipe.train.loop import RunResult, TrainConfig
 from nvfp4_recipe.train.recipes import RECIPES
 
 LN_256 = math.log(256)
@@ -148,7 +149,7 @@ def test_out_must_be_a_writable_directory_without_earlier_results(tmp_path, caps
     assert status == 0 and replaced["date"] >= first["date"] and replaced["command"].endswith("--overwrite")
 
 
-def _fake_run(recipe, cfg, batches, device, dtype, progress=True):
+def _fake_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None):
     """Stands in for loop.train_run: bf16 'finishes' at once, any other recipe is interrupted."""
     if recipe != "bf16":
         raise KeyboardInterrupt
@@ -210,3 +211,16 @@ def test_graph_mode_gives_the_eager_numbers(tmp_path):
         assert (eager["mode"], graph["mode"]) == ("eager", "graph")
         assert eager["train_curve"] == graph["train_curve"]
         assert eager["val_curve"] == graph["val_curve"]
+
+
+def test_step_mode_picks_graph_only_on_cuda_in_one_process():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = TrainConfig(mode="auto")
+    assert auto.step_mode(cuda) == "graph"
+    assert auto.step_mode(cuda, data_parallel=True) == "eager"
+    assert auto.step_mode(cpu) == "eager"
+    with pytest.raises(ValueError, match="CUDA"):
+        TrainConfig(mode="graph").step_mode(cpu)
+    with pytest.raises(ValueError, match="torchrun"):
+        TrainConfig(mode="graph").step_mode(cuda, data_parallel=True)
+    assert TrainConfig(mode="eager").step_mode(cuda, data_parallel=True) == "eager"

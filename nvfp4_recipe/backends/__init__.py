@@ -15,7 +15,7 @@ import functools
 import importlib
 import logging
 import os
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -25,6 +25,11 @@ from ..spec import QuantSpec
 log = logging.getLogger("nvfp4_recipe")
 
 IntOrTensor = Union[int, torch.Tensor]
+# Called with the fp32 amax an operand's quantization measures (``reference.operand_amax``: a
+# scalar or one per row; under amax estimation before its amax_scale factor) between the amax pass
+# and the quantize pass; returns the amax to use instead (distributed.py: the max over the shards
+# of a tensor-parallel operand). None: the operand's own amax.
+AmaxReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 NAMES = ("reference", "triton", "native")
 
 
@@ -34,14 +39,17 @@ class Backend(abc.ABC):
 
     Operand convention: an operand is an :class:`NVFP4Operand` of a (rows, K) matrix with its blocks
     along K, so every GEMM is ``A @ B^T``. Seeds and offsets may be ints or device int64 scalars
-    (nothing synchronises with the host).
+    (nothing synchronises with the host). ``amax_reduce`` (:data:`AmaxReduce`, per copy) maps the
+    amax an operand's outer scale is computed from to the one used, so that the shards of a
+    tensor-parallel operand quantize with the whole tensor's amax.
     """
 
     name: str
 
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
-                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None) -> NVFP4Operand:
+                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
+                 amax_reduce: AmaxReduce = None) -> NVFP4Operand:
         """x (..., M, K) quantized along K under ``spec`` (``reference.quantize``)."""
 
     @abc.abstractmethod
@@ -50,6 +58,7 @@ class Backend(abc.ABC):
                       col_offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
                       transient: Tuple[bool, bool] = (False, False),
                       prepare: Optional[NVFP4Operand] = None,
+                      amax_reduce: Tuple[AmaxReduce, AmaxReduce] = (None, None),
                       ) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[NVFP4Operand]]:
         """The rowwise copy of x (M, K) under ``row`` and the columnwise copy (the quantization of
         x^T, (K, M), blocks along M) under ``col``, each None to skip, from one read of x where the
@@ -63,10 +72,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def prepare_weight(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
+                       amax_reduce: AmaxReduce = None,
                        ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
         """W (N, K) quantized under ``spec``, ready to be fprop's B in :meth:`mm`, and with
         ``need_t`` W^T (K, N) for dgrad, as codes (kept for backward): for 2d blocks the exact
-        transpose of W's quantization, for 1d blocks W quantized along N."""
+        transpose of W's quantization, for 1d blocks W quantized along N. Both copies share the
+        per-tensor amax (``amax_reduce`` applies to it)."""
 
     @abc.abstractmethod
     def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
@@ -80,12 +91,14 @@ class Backend(abc.ABC):
 
 def quantize_each(backend: Backend, x: torch.Tensor, row: Optional[QuantSpec],
                   col: Optional[QuantSpec], seed: IntOrTensor, row_offset: IntOrTensor,
-                  col_offset: IntOrTensor, signs: Optional[torch.Tensor]):
+                  col_offset: IntOrTensor, signs: Optional[torch.Tensor],
+                  amax_reduce: Tuple[AmaxReduce, AmaxReduce] = (None, None)):
     """The rowwise and columnwise copies of :meth:`Backend.quantize_pair` as two
     ``backend.quantize`` calls (on x and x.t()), each None to skip."""
-    r = None if row is None else backend.quantize(x, row, seed=seed, offset=row_offset, signs=signs)
+    r = None if row is None else backend.quantize(x, row, seed=seed, offset=row_offset, signs=signs,
+                                                  amax_reduce=amax_reduce[0])
     c = None if col is None else backend.quantize(x.t(), col, seed=seed, offset=col_offset,
-                                                  signs=signs)
+                                                  signs=signs, amax_reduce=amax_reduce[1])
     return r, c
 
 

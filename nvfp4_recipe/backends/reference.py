@@ -7,7 +7,17 @@ import torch
 from .. import reference as R
 from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
-from . import Backend, IntOrTensor, quantize_each, register_backend
+from . import AmaxReduce, Backend, IntOrTensor, quantize_each, register_backend
+
+
+def _reduced_amax(x: torch.Tensor, spec: QuantSpec, signs: Optional[torch.Tensor],
+                  amax_reduce: AmaxReduce) -> Optional[torch.Tensor]:
+    """The ``amax_`` of ``reference.quantize``: None (its own) without a reducer, else the reduced
+    measured amax, times the spec's amax_scale under amax estimation."""
+    if amax_reduce is None:
+        return None
+    amax_ = amax_reduce(R.operand_amax(x, spec, signs))
+    return amax_ if spec.amax_scale is None else spec.amax_scale * amax_
 
 
 @register_backend
@@ -18,21 +28,30 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
-                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None) -> NVFP4Operand:
-        return R.quantize(x, spec, seed=seed, offset=offset, rht_signs=signs)
+                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
+                 amax_reduce: AmaxReduce = None) -> NVFP4Operand:
+        """``reference.quantize``; with ``amax_reduce``, the amax (``reference.operand_amax``)
+        is taken first and reduced (an RHT operand's transform then runs twice)."""
+        return R.quantize(x, spec, seed=seed, offset=offset, rht_signs=signs,
+                          amax_=_reduced_amax(x, spec, signs, amax_reduce))
 
     def quantize_pair(self, x, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
-                      transient=(False, False), prepare=None):
+                      transient=(False, False), prepare=None, amax_reduce=(None, None)):
         """Two :meth:`quantize` calls (x and x.t()); ``transient`` changes nothing here and
         ``prepare`` comes back as it is."""
-        return (*quantize_each(self, x, row, col, seed, row_offset, col_offset, signs), prepare)
+        return (*quantize_each(self, x, row, col, seed, row_offset, col_offset, signs, amax_reduce),
+                prepare)
 
     def prepare_weight(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
+                       amax_reduce: AmaxReduce = None,
                        ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-        wq = self.quantize(w, spec)
+        amax_ = _reduced_amax(w, spec, None, amax_reduce)
+        wq = R.quantize(w, spec, amax_=amax_)
         if not need_t:
             return wq, None
-        return wq, R.transpose_2d(wq) if spec.block is Block.D2 else self.quantize(w.t(), spec)
+        if spec.block is Block.D2:
+            return wq, R.transpose_2d(wq)
+        return wq, R.quantize(w.t(), spec, amax_=amax_)
 
     def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
         return b

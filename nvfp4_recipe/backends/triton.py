@@ -23,14 +23,15 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import reference as R
+from ..kernels import amax as A
 from ..kernels import gemm as G
 from ..kernels.dequantize import dequantize_inner
-from ..kernels.quantize import quantize_1d, quantize_2d
+from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
 from ..kernels.runtime import inner_values_supported
 from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
 from ..streams import SideStream
-from . import Backend, IntOrTensor, quantize_each, register_backend, warn_once
+from . import AmaxReduce, Backend, IntOrTensor, quantize_each, register_backend, warn_once
 from .reference import ReferenceBackend
 
 _REFERENCE = ReferenceBackend()
@@ -39,6 +40,18 @@ _REFERENCE = ReferenceBackend()
 def _is_transposed_view(x: torch.Tensor) -> bool:
     """True for a 2-D non-contiguous x whose transpose is contiguous (x = base.t())."""
     return x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous()
+
+
+def _reduced_amaxes(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec],
+                    signs: Optional[torch.Tensor], reduce: Tuple[AmaxReduce, AmaxReduce]):
+    """The ``amaxes`` argument of ``quantize_1d(x, row, col)``: None (the kernel's own amax pass)
+    without a reducer, else the amax pass's results, each mapped by its reducer."""
+    if reduce == (None, None):
+        return None
+    if any(s is not None and s.rht and s.amax_scale is None for s in (row, col)):
+        signs = signs.to(device=x.device, dtype=torch.float32).contiguous()
+    amaxes = amax_pass(x, row, col, signs)
+    return tuple(a if f is None or a is None else f(a) for a, f in zip(amaxes, reduce))
 
 
 def _one_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec]) -> bool:
@@ -58,7 +71,8 @@ class TritonBackend(Backend):
         self._forks = threading.local()  # side-stream work the next mm waits for
 
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
-                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None) -> NVFP4Operand:
+                 offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
+                 amax_reduce: AmaxReduce = None) -> NVFP4Operand:
         """A 2-D ``x`` that is the transpose view of a contiguous matrix (``base.t()``) is read
         through the columnwise path of ``base`` (coalesced); other layouts are read as they are.
         Raises: TypeError / ValueError as ``reference.check_input``."""
@@ -66,32 +80,40 @@ class TritonBackend(Backend):
         if spec.rht and signs is None:
             raise ValueError("an RHT operand needs rht_signs")
         if x.numel() == 0:  # nothing to launch a kernel for
-            return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs)
+            return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs,
+                                       amax_reduce=amax_reduce)
         if spec.block is Block.D2:
-            return self._quantize_2d(x, spec, seed, offset, signs)
+            return self._quantize_2d(x, spec, seed, offset, signs, amax_reduce)
         if _is_transposed_view(x):
-            return quantize_1d(x.t(), col=spec, seed=seed, col_offset=offset, signs=signs)[1]
+            return self._columnwise(x.t(), spec, seed, offset, signs, amax_reduce)
         lead, (m, k) = x.shape[:-2], x.shape[-2:]
-        q = quantize_1d(x.reshape(-1, k), row=spec, seed=seed, row_offset=offset, signs=signs)[0]
+        x2 = x.reshape(-1, k)
+        if spec.rht:  # quantize_1d runs a rowwise RHT copy as the columnwise copy of x^T
+            q = self._columnwise(x2.t(), spec, seed, offset, signs, amax_reduce)
+        else:
+            q = quantize_1d(x2, row=spec, seed=seed, row_offset=offset, signs=signs,
+                            amaxes=_reduced_amaxes(x2, spec, None, signs, (amax_reduce, None)))[0]
         outer = q.outer_scale.reshape(*lead, m) if spec.per_token else q.outer_scale
         return q._replace(qdata=q.qdata.reshape(*lead, m, k // 2),
                           scale=q.scale.reshape(*lead, m, k // 16), outer_scale=outer)
 
     def quantize_pair(self, x, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
-                      transient=(False, False), prepare=None):
+                      transient=(False, False), prepare=None, amax_reduce=(None, None)):
         """One read of x for both copies where ``quantize_1d`` takes them (2-D x, 1d blocks, no RHT
         on the rowwise copy); a transposed view x (``base.t()``) is read through base, its rows
         being base's columns (coalesced). Other cases make two :meth:`quantize` calls."""
         if (row is None and col is None) or not _one_pass(x, row, col):
-            r, c = quantize_each(self, x, row, col, seed, row_offset, col_offset, signs)
+            r, c = quantize_each(self, x, row, col, seed, row_offset, col_offset, signs,
+                                 amax_reduce)
             return r, c, None if prepare is None else self._dequantized(prepare)
         for t, spec in ((x, row), (x.t(), col)):
             if spec is not None:
                 R.check_input(t, spec)
         inner = transient if inner_values_supported(x.device) else (False, False)
-        specs, offsets = [row, col], [row_offset, col_offset]
+        specs, offsets, reduce = [row, col], [row_offset, col_offset], tuple(amax_reduce)
         if _is_transposed_view(x):  # x^T's rowwise copy is x's columnwise one
             x, specs, offsets, inner = x.t(), specs[::-1], offsets[::-1], inner[::-1]
+            reduce = reduce[::-1]
             transposed = True
         else:
             transposed = False
@@ -100,7 +122,8 @@ class TritonBackend(Backend):
             out = torch.empty(prepare.rows, prepare.k, dtype=torch.float16, device=x.device)
             rider = (prepare, out)
         r, c = quantize_1d(x, specs[0], specs[1], inner=inner, seed=seed, row_offset=offsets[0],
-                           col_offset=offsets[1], signs=signs, dequantize=rider)
+                           col_offset=offsets[1], signs=signs, dequantize=rider,
+                           amaxes=_reduced_amaxes(x, specs[0], specs[1], signs, reduce))
         if transposed:
             r, c = c, r
         if prepare is None:
@@ -110,6 +133,7 @@ class TritonBackend(Backend):
         return r, c, prepare._replace(qdata=None, scale=None, values=rider[1])
 
     def prepare_weight(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
+                       amax_reduce: AmaxReduce = None,
                        ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
         """2d: W and W^T from one read; 1d: the pair kernel. While a CUDA graph is captured, on the
         side stream, W also dequantized there; in eager mode :meth:`mm` dequantizes W after the
@@ -117,11 +141,14 @@ class TritonBackend(Backend):
         with SideStream(w.device) as side:
             if spec.block is Block.D2 and not spec.rht:
                 R.check_input(w, spec)
-                wq, wtq = quantize_2d(w, spec, write_wt=need_t)
+                wq, wtq = quantize_2d(w, spec, write_wt=need_t,
+                                      amax=_reduced_2d_amax(w, amax_reduce))
             elif spec.block is Block.D1 and not spec.rht:
-                wq, wtq, _ = self.quantize_pair(w, spec, spec if need_t else None)
+                wq, wtq, _ = self.quantize_pair(w, spec, spec if need_t else None,
+                                                amax_reduce=(amax_reduce, amax_reduce))
             else:
-                wq, wtq = _REFERENCE.prepare_weight(w, spec, need_t=need_t)
+                wq, wtq = _REFERENCE.prepare_weight(w, spec, need_t=need_t,
+                                                    amax_reduce=amax_reduce)
             if side.forked:
                 wq = self._dequantized(wq)
         self._fork(side, wq, wtq)
@@ -156,10 +183,24 @@ class TritonBackend(Backend):
             return b
         return b._replace(qdata=None, scale=None, values=dequantize_inner(b, torch.float16))
 
-    def _quantize_2d(self, x, spec, seed, offset, signs) -> NVFP4Operand:
+    @staticmethod
+    def _columnwise(base, spec, seed, offset, signs, amax_reduce) -> NVFP4Operand:
+        """The quantization of base^T: the columnwise copy of ``quantize_1d(base)``."""
+        amaxes = _reduced_amaxes(base, None, spec, signs, (None, amax_reduce))
+        return quantize_1d(base, col=spec, seed=seed, col_offset=offset, signs=signs,
+                           amaxes=amaxes)[1]
+
+    def _quantize_2d(self, x, spec, seed, offset, signs, amax_reduce) -> NVFP4Operand:
         if spec.rht:  # RHT along K with 16x16 blocks: no recipe asks for it; the reference does it
             warn_once("triton backend: 2d blocks with RHT run on the reference implementation")
-            return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs)
+            return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs,
+                                       amax_reduce=amax_reduce)
+        amax_ = _reduced_2d_amax(x, amax_reduce)
         if _is_transposed_view(x) and not spec.sr:  # quantize_2d(x) is the exact transpose of x.t()'s
-            return quantize_2d(x.t(), spec, write_w=False)[1]
-        return quantize_2d(x, spec, seed=seed, offset=offset, write_wt=False)[0]
+            return quantize_2d(x.t(), spec, write_w=False, amax=amax_)[1]
+        return quantize_2d(x, spec, seed=seed, offset=offset, write_wt=False, amax=amax_)[0]
+
+
+def _reduced_2d_amax(w: torch.Tensor, amax_reduce: AmaxReduce) -> Optional[torch.Tensor]:
+    """The ``amax`` argument of ``quantize_2d(w)``: None (its own pass) without a reducer."""
+    return None if amax_reduce is None else amax_reduce(A.amax(w, A.TENSOR, A.NONE)[0])

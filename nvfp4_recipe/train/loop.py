@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .data import Batches
 from .model import ModelConfig, TinyLM, count_params
+from .parallel import DataParallel
 from .recipes import apply_recipe, quantized_fraction
 
 
@@ -67,16 +68,20 @@ class TrainConfig:
         if self.mode not in ("auto", *MODES):
             raise ValueError(f"--mode must be 'auto' or one of {MODES}, got {self.mode!r}")
 
-    def step_mode(self, device: torch.device) -> str:
-        """The mode steps run in on ``device``: "graph" on CUDA for "auto".
+    def step_mode(self, device: torch.device, data_parallel: bool = False) -> str:
+        """The mode steps run in on ``device``: for "auto", "graph" on CUDA in one process and
+        "eager" otherwise (under torchrun DDP's gradient all-reduce is driven by host-side hooks,
+        which a captured graph would not replay).
 
         Raises:
-            ValueError: "graph" on a device other than CUDA.
+            ValueError: "graph" on a device other than CUDA, or with data parallelism.
         """
         if self.mode == "auto":
-            return "graph" if device.type == "cuda" else "eager"
+            return "graph" if device.type == "cuda" and not data_parallel else "eager"
         if self.mode == "graph" and device.type != "cuda":
             raise ValueError(f"--mode graph needs a CUDA device (CUDA graphs), got {device}")
+        if self.mode == "graph" and data_parallel:
+            raise ValueError("--mode graph runs one process; under torchrun use --mode eager or auto")
         return self.mode
 
 
@@ -204,7 +209,8 @@ def captured(step: Callable[[], torch.Tensor]):
 
 
 def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.device,
-              dtype: Optional[torch.dtype], progress: bool = True) -> RunResult:
+              dtype: Optional[torch.dtype], progress: bool = True,
+              parallel: Optional[DataParallel] = None) -> RunResult:
     """Train one recipe for ``cfg.steps`` steps and evaluate it.
 
     Args:
@@ -213,6 +219,9 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         device: where to train.
         dtype: autocast dtype (torch.bfloat16) or None for the default dtype (float32).
         progress: show a tqdm bar on stderr.
+        parallel: data parallelism over torchrun's processes (:mod:`.parallel`): the model in DDP,
+            each rank its share of every batch; rank 0 evaluates (the others' val losses are NaN)
+            and tokens/s counts the tokens of all ranks.
     Returns:
         :class:`RunResult`; a non-finite training loss stops the run early with status saying so.
         The step mode (``cfg.step_mode``) changes the speed, never the numbers.
@@ -223,13 +232,26 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    mode = cfg.step_mode(device)
+    mode = cfg.step_mode(device, parallel is not None)
     batches.generator.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg, recipe, device)
+    if parallel is not None:
+        model = parallel.wrap(model)
+    evaluated = model.module if parallel is not None else model  # no DDP hooks in evaluation
+
+    def validate() -> float:
+        if parallel is not None and not parallel.is_main:
+            return float("nan")
+        return evaluate(evaluated, batches, cfg, device, dtype)
+
+    def next_batch():
+        x, y = batches.train_batch(device)
+        return (x, y) if parallel is None else (parallel.shard(x), parallel.shard(y))
+
     opt, set_lr = make_optimizer(model, cfg)
-    x, y = batches.train_batch(device)  # the step's input buffers, refilled before every step
+    x, y = next_batch()  # the step's input buffers, refilled before every step
     step_fn = step_function(model, opt, cfg, dtype, x, y)
     run_step, graph_loss = step_fn, None
     capture_at = min(3, cfg.steps - 1) if mode == "graph" else -1  # eager steps before the capture
@@ -243,7 +265,7 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     bar = tqdm(total=cfg.steps, desc=f"{recipe:>16}", unit="step", disable=not progress,
                mininterval=0.5 if interactive else 15, file=sys.stderr, dynamic_ncols=True)
     try:
-        val_curve.append([0, evaluate(model, batches, cfg, device, dtype)])
+        val_curve.append([0, validate()])
         for step in range(cfg.steps):
             if step == capture_at:
                 torch.cuda.current_stream(device).wait_stream(side)
@@ -253,12 +275,13 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
                 t_warm = time.perf_counter()
             with torch.cuda.stream(side) if step < capture_at else nullcontext():
                 if step > 0:
-                    nx, ny = batches.train_batch(device)
+                    nx, ny = next_batch()
                     x.copy_(nx)
                     y.copy_(ny)
                 set_lr(step)
                 loss = run_step()
-                losses.append((loss if graph_loss is None else graph_loss).clone())
+                loss = loss if graph_loss is None else graph_loss  # the graph writes its loss in place
+                losses.append(loss.clone() if parallel is None else parallel.mean(loss))
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
                     last = losses[-1].item()
                     if not math.isfinite(last):
@@ -268,7 +291,7 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
                     if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                         _sync(device)
                         t_eval = time.perf_counter()
-                        val_curve.append([step + 1, evaluate(model, batches, cfg, device, dtype)])
+                        val_curve.append([step + 1, validate()])
                         t_warm += time.perf_counter() - t_eval  # keep evaluation out of the throughput
                         postfix["val"] = f"{val_curve[-1][1]:.3f}"
                     bar.set_postfix(postfix, refresh=False)
