@@ -7,6 +7,10 @@ runs use the Triton interpreter on small shapes with an empty group and rows pas
 ``cuda`` tests run the compiled kernels on larger, uneven groups.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -187,6 +191,18 @@ def test_check_offsets_names_the_group():
     with pytest.raises(TypeError, match="int32"):
         check_offsets(torch.tensor([16]), 32)
     check_offsets(offsets((0, 16, 16, 48), "cpu"), 64)
+
+
+def test_kernels_compile_for_hopper():
+    """Every grouped kernel variant the backends launch compiles for sm90 (PTX and cubin, no GPU
+    needed; tests/compile_grouped.py): the checks of the compiler, which the interpreter skips."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(tests), env.get("PYTHONPATH"))
+                                        if p)
+    run = subprocess.run([sys.executable, "compile_grouped.py", "90"], cwd=tests, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, lo
 
 IntOrTensor = Union[int, torch.Tensor]
 NONE, PER_GROUP, PER_INDEX = 0, 1, 2  # what an amax or outer-scale output holds
-GC = 16  # group ends read per step when looking up the group of a row block
+GC = tl.constexpr(16)  # group ends read per step when looking up the group of a row block
 
 
 def _configs(dims=("BB", "BC")):
@@ -297,6 +297,7 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
                      col: Optional[QuantSpec] = None, *, inner: Tuple[bool, bool] = (False, False),
                      seed: IntOrTensor = 0, row_offset: IntOrTensor = 0,
                      col_offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
+                     amaxes: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
                      ) -> Tuple[Optional[GroupedOperand], Optional[GroupedOperand]]:
     """Grouped 1D NVFP4 quantization of the token groups of x: both copies from one read (plus the
     amax pass), one outer scale per group (or per token).
@@ -311,6 +312,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
             and scales, for a GEMM that uses the copy at once.
         seed, row_offset, col_offset: the SR streams (module docstring); ints or device scalars.
         signs: (16,) +-1 RHT signs (needed when ``col.rht``).
+        amaxes: the (row, column) amaxes as :func:`grouped_amax_pass` returns them for these specs,
+            to skip the amax pass (benchmarks time the two passes apart).
     Returns:
         (rowwise, columnwise) :class:`GroupedOperand` or None: rowwise data qdata (M, K/2), scale
         (M, K/16), outer (G,) or (M,); columnwise data qdata (K, M/2), scale (K, M/16), outer (G,)
@@ -335,7 +338,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
         raise ValueError(f"inner-value copies need E4M3 conversion (CUDA sm89+), not {x.device}")
     (m, k), n_groups, dev = x.shape, offs.shape[0], x.device
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
-    row_amax, col_amax = grouped_amax_pass(x, offs, row, col, signs_t)
+    row_amax, col_amax = amaxes if amaxes is not None else grouped_amax_pass(x, offs, row, col,
+                                                                             signs_t)
     r = _copy(m, k, inner[0], (m,) if row.per_token else (n_groups,), dev) if row else None
     c = _copy(k, m, inner[1], (n_groups, k) if col.per_token else (n_groups,), dev) if col else None
     seed_a, seed_p = scalar(seed, dev)
