@@ -350,7 +350,8 @@ class NVFP4HFExperts(NVFP4Experts):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device)
+        counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # no host sync (bincount)
         xp, offs, dest = _padded(hidden_states[perm // k], counts)
         gate, up = self._project(0, xp, offs, self.gate_up_proj).chunk(2, dim=-1)
         h = self._project(1, self.act_fn(gate) * up, offs, self.down_proj).index_select(0, dest)
@@ -388,7 +389,10 @@ def hf_experts_problem(m: nn.Module) -> Optional[str]:
     """Why a Hugging Face batched experts module cannot run in NVFP4 (None if it can): the layout
     must be transformers' default (gate and up concatenated, not transposed, no bias, a gate, no
     post-expert norm, its default ``_apply_gate``) and not expert-parallel."""
-    from transformers.integrations.moe import _default_apply_gate
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # a module of this layout without transformers: its own gate is the default
+        _default_apply_gate = getattr(type(m), "_apply_gate", None)
     flags = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
              "has_post_expert_norm": False, "_is_expert_parallel": False}
     for flag, want in flags.items():

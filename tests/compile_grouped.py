@@ -30,7 +30,8 @@ GEMM = dict(a_ptr="*fp16", b_ptr="*fp16", offs_ptr="*i32", sa_ptr="*fp32", sb_pt
             out_ptr="*bf16", **{n: I32 for n in ("G", "M", "N", "K", "stride_am", "stride_ak",
                                                  "stride_bg", "stride_bn", "stride_bk", "stride_og",
                                                  "stride_om", "sa_g", "sa_m", "sb_g", "sb_n")},
-            **const("ALONG_K", "INTERP", "BM", "BN", "BK", "GROUP_M", "NUM_PROGRAMS"))
+            **const("ALONG_K", "TMA", "INTERP", "BM", "BN", "BK", "GROUP_M", "NUM_PROGRAMS"))
+GEMM_TMA = dict(GEMM, a_ptr="tensordesc<fp16[128, 64]>", b_ptr="tensordesc<fp16[128, 64]>")
 AMAX = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="*i32", G=I32,
             signs_ptr="*fp32", row_ptr="*i32", col_ptr="*i32",
             **const("ROW", "COL", "COL_RHT", "BB", "BC"))
@@ -60,8 +61,12 @@ def quant_flags(on, inner=()):
 
 def variants(capability):
     tiles = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_PROGRAMS=132, INTERP=False)
-    yield "gemm rows", KG._grouped_gemm_kernel, GEMM, dict(tiles, ALONG_K=False)
-    yield "gemm along K", KG._grouped_gemm_kernel, GEMM, dict(tiles, ALONG_K=True)
+    for along in (False, True):
+        name = "along K" if along else "rows"
+        yield f"gemm {name}", KG._grouped_gemm_kernel, GEMM, dict(tiles, ALONG_K=along, TMA=False)
+        if capability >= 90:
+            yield f"gemm {name} TMA", KG._grouped_gemm_kernel, GEMM_TMA, \
+                dict(tiles, ALONG_K=along, TMA=True)
     for row, col, rht in ((1, 1, True), (2, 2, True), (1, 2, False), (0, 1, False)):
         yield f"amax {row}/{col}/{rht}", KG._grouped_amax_kernel.fn, AMAX, \
             dict(ROW=row, COL=col, COL_RHT=rht, BB=2, BC=8)

@@ -121,7 +121,7 @@ def test_experts_match_per_expert_reference(sp):
         assert_same(expert_slice(wtq, g), ref_t)
 
 
-def check_grouped_gemms(x, dy, w, offs, recipe, inner):
+def check_grouped_gemms(x, dy, w, offs, recipe, inner, method="auto"):
     """fprop (X, W), dgrad (dY, W^T) and wgrad (dY^T, X^T) of the grouped GEMM against each group's
     dense reference GEMM; the transient copies given to the GEMM as inner values when ``inner``
     (the reference takes the same copies as codes, equal by the tests above)."""
@@ -136,9 +136,9 @@ def check_grouped_gemms(x, dy, w, offs, recipe, inner):
     else:
         xq_in, dyq_in, dyt_in = xq, dyq, dyt
     wq, wt = quantize_experts(w, recipe.spec(GemmRole.W_FPROP))
-    y = grouped_scaled_mm(xq_in, wq, out_dtype=torch.bfloat16)
-    dx = grouped_scaled_mm(dyq_in, wt, out_dtype=torch.float32)
-    dw = grouped_scaled_mm(dyt_in, xt, out_dtype=torch.float32)
+    y = grouped_scaled_mm(xq_in, wq, out_dtype=torch.bfloat16, method=method)
+    dx = grouped_scaled_mm(dyq_in, wt, out_dtype=torch.float32, method=method)
+    dw = grouped_scaled_mm(dyt_in, xt, out_dtype=torch.float32, method=method)
     assert y.shape == (x.shape[0], w.shape[1]) and dx.shape == x.shape
     assert dw.shape == w.shape
     for g, (s, e) in enumerate(group_bounds(offs)):
@@ -154,13 +154,15 @@ def check_grouped_gemms(x, dy, w, offs, recipe, inner):
     assert (y[end:] == 0).all() and (dx[end:] == 0).all()
 
 
-@pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
-def test_grouped_gemms_match_per_group_dense(scaling):
-    """The three grouped GEMMs within the accumulation bound of each group's dense GEMM; rows past
+@pytest.mark.parametrize("scaling,method", [("per_tensor", "pointers"), ("per_token", "pointers"),
+                                            ("per_tensor", "tma")])
+def test_grouped_gemms_match_per_group_dense(scaling, method):
+    """The three grouped GEMMs within the accumulation bound of each group's dense GEMM, reading
+    the operands through pointers or TMA descriptors (groups' neighbours masked off); rows past
     the last group are zeros and the empty group's weight gradient is zero."""
     check_grouped_gemms(rand((112, 48), seed=6).to(DEV), rand((112, 32), seed=7).to(DEV),
                         rand((4, 32, 48), torch.float32, seed=8).to(DEV), offsets(OFFS),
-                        NVFP4Recipe(scaling=scaling), inner=scaling == "per_tensor")
+                        NVFP4Recipe(scaling=scaling), inner=scaling == "per_tensor", method=method)
 
 
 def test_bad_arguments_raise():
@@ -233,8 +235,10 @@ def test_experts_match_per_expert_reference_cuda(device, sp):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
-def test_grouped_gemms_match_per_group_dense_cuda(device, scaling):
+@pytest.mark.parametrize("method", ["auto", "pointers"])
+def test_grouped_gemms_match_per_group_dense_cuda(device, scaling, method):
     check_grouped_gemms(rand((3328, 768), device=device, seed=3),
                         rand((3328, 1024), device=device, seed=4),
                         rand((6, 1024, 768), torch.float32, device, seed=5),
-                        offsets(GPU_ENDS, device), NVFP4Recipe(scaling=scaling), inner=True)
+                        offsets(GPU_ENDS, device), NVFP4Recipe(scaling=scaling), inner=True,
+                        method=method)

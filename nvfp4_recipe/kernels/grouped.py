@@ -43,8 +43,8 @@ from .gemm import OUT_DTYPES, _epilogue, _kernel_out, _mma, _tile_pid
 from .hadamard import hadamard16, hadamard16_abs_max, rht16
 from .quantize import _quantize_store, _u32, quantize_2d_tile
 from .rounding import abs_bits, outer_scales, round_to
-from .runtime import (check_runnable, inner_values_supported, interpreting, num_sms, prune_wide_tiles,
-                      scalar, scalar_arg)
+from .runtime import (capability, check_runnable, inner_values_supported, interpreting, num_sms,
+                      prune_wide_tiles, scalar, scalar_arg)
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -485,14 +485,36 @@ def _dot_range(a_ptr, b_ptr, offs_m, offs_n, m_end, N, k_start, k_end, stride_am
     return acc
 
 
+@triton.jit
+def _dot_range_tma(a_desc, b_desc, row_a, row_b, k_start, k_end, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, INTERP: tl.constexpr):
+    """:func:`_dot_range` through TMA descriptors: rows [row_a, row_a + BM) of A and [row_b, row_b
+    + BN) of B (reads past a descriptor's edge are zero; rows of a neighbouring group are left to
+    the store's mask); with MASK_K the columns at or past k_end (the next group's tokens) are
+    zeroed in registers, in both operands (a non-finite value times zero would not vanish)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        a = a_desc.load([row_a, k0])
+        b = b_desc.load([row_b, k0])
+        if MASK_K:
+            keep = (k0 + tl.arange(0, BK) < k_end)[None, :]
+            a = tl.where(keep, a, 0.0)
+            b = tl.where(keep, b, 0.0)
+        acc = _mma(a, b.T, acc, INTERP)
+    return acc
+
+
 @triton.jit(do_not_specialize=["sa_g", "sa_m", "sb_g", "sb_n"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, offs_ptr, sa_ptr, sb_ptr, out_ptr, G, M, N, K,
                          stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_og,
                          stride_om, sa_g, sa_m, sb_g, sb_n, ALONG_K: tl.constexpr,
-                         INTERP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                         TMA: tl.constexpr, INTERP: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                         NUM_PROGRAMS: tl.constexpr):
     """A persistent grouped GEMM: every program walks the groups and takes every NUM_PROGRAMS-th
-    output tile of all of them, so no group sizes are needed on the host.
+    output tile of all of them, so no group sizes are needed on the host. With TMA, a_ptr and
+    b_ptr are TMA descriptors of A and of B as a 2-D matrix (the experts' (G N, K) in rows mode;
+    the strides are then unused), else pointers.
 
     Rows mode (not ALONG_K; fprop, dgrad): out[r] = s_a * s_b[g] * A[r] . B_g for the rows r of
     group g, A (T, K), B_g at b_ptr + g * stride_bg, (N, K) with the given strides; K is the
@@ -519,19 +541,28 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, offs_ptr, sa_ptr, sb_ptr, out_ptr, G, M, 
             offs_n = pid_n * BN + tl.arange(0, BN)
             if ALONG_K:
                 offs_m = pid_m * BM + tl.arange(0, BM)
-                acc = _dot_range(a_ptr, b_g, offs_m, offs_n, M, N, start, end, stride_am,
-                                 stride_ak, stride_bn, stride_bk, BM, BN, BK, INTERP)
+                if TMA:
+                    acc = _dot_range_tma(a_ptr, b_ptr, pid_m * BM, pid_n * BN, start, end, BM, BN,
+                                         BK, True, INTERP)
+                else:
+                    acc = _dot_range(a_ptr, b_g, offs_m, offs_n, M, N, start, end, stride_am,
+                                     stride_ak, stride_bn, stride_bk, BM, BN, BK, INTERP)
                 m_end = M
             else:
                 offs_m = start + pid_m * BM + tl.arange(0, BM)
-                acc = _dot_range(a_ptr, b_g, offs_m, offs_n, end, N, 0, K, stride_am, stride_ak,
-                                 stride_bn, stride_bk, BM, BN, BK, INTERP)
+                if TMA:
+                    acc = _dot_range_tma(a_ptr, b_ptr, start + pid_m * BM, g * N + pid_n * BN, 0,
+                                         K, BM, BN, BK, False, INTERP)
+                else:
+                    acc = _dot_range(a_ptr, b_g, offs_m, offs_n, end, N, 0, K, stride_am,
+                                     stride_ak, stride_bn, stride_bk, BM, BN, BK, INTERP)
                 m_end = end
             _epilogue(acc, offs_m, offs_n, m_end, N, sa_ptr + g * sa_g, sb_ptr + g * sb_g, sa_ptr,
                       out_g, sa_m, sb_n, stride_om, False)
         done += tiles
         start = end
-        b_g += stride_bg
+        if not TMA:  # (the descriptor is indexed by row instead)
+            b_g += stride_bg
         out_g += stride_og
     if not ALONG_K:  # rows past the last group: zeros (M = T here)
         first = done + (pid + NUM_PROGRAMS - done % NUM_PROGRAMS) % NUM_PROGRAMS
@@ -544,7 +575,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, offs_ptr, sa_ptr, sb_ptr, out_ptr, G, M, 
 
 
 # BM, BN, BK, GROUP_M, num_warps, num_stages; P programs per SM. Not yet tuned on a GPU
-# (benchmarks/bench_moe.py --configs); the interpreter takes one small config.
+# (benchmarks/bench_moe.py --sweep); the interpreter takes one small config.
 GROUPED_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, P=1)
 _INTERP_GROUPED_GEMM_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1, P=1)
 
@@ -574,9 +605,19 @@ def _scale_strides(op: GroupedOperand) -> Tuple[int, int]:
     return (op.data.rows, 1) if op.along_k else (0, 1)
 
 
+METHODS = ("tma", "pointers")
+
+
+def default_method(device: torch.device) -> str:
+    """"tma" (operands read through TMA descriptors, pipelined) on sm90+, "pointers" (masked
+    loads) before sm90 and under the interpreter."""
+    tma = device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
+    return "tma" if tma else "pointers"
+
+
 def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand], *,
                       out_dtype: torch.dtype = torch.bfloat16, cfg: Optional[dict] = None,
-                      ) -> torch.Tensor:
+                      method: str = "auto") -> torch.Tensor:
     """The grouped NVFP4 GEMM, ``backends.grouped.reference_mm``'s semantics, on 16-bit inner
     values (a dequantize pass for operands given as codes) with fp32 accumulation.
 
@@ -586,17 +627,23 @@ def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand],
         b: fprop/dgrad: the experts' B, an :class:`NVFP4Operand` (G, N, K) (codes or inner
             values), outer (G,). wgrad: grouped along K, data (N, T), outer (G,) or (G, N).
         out_dtype: bfloat16, float16 or float32. cfg: a tile config (benchmarks).
+        method: "auto" (:func:`default_method`), "tma" or "pointers": how the kernel reads the
+            inner values (same results).
     Returns:
         fprop/dgrad: (T, N), zeros in the rows past ``offs[-1]``. wgrad: (G, M, N). Products exact,
         sums in fp32, outer scales applied in fp32, one rounding to ``out_dtype``.
     Raises:
-        TypeError: ``out_dtype``. ValueError: operands of the wrong layouts or sizes.
+        TypeError: ``out_dtype``. ValueError: operands of the wrong layouts or sizes, an unknown
+            method.
     """
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     cfg = dict(cfg or (_INTERP_GROUPED_GEMM_CONFIG if interpreting() else GROUPED_GEMM_CONFIG))
     dev = a.data.device
     check_runnable(dev)
+    method = default_method(dev) if method == "auto" else method
+    if method not in METHODS:
+        raise ValueError(f"method must be 'auto' or one of {METHODS}, got {method!r}")
     n_groups = a.groups
     a_in = _inner(a.data)
     if isinstance(b, GroupedOperand):
@@ -609,8 +656,15 @@ def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand],
         return out.to(out_dtype)
     programs = max(1, min(num_sms(dev) * cfg.pop("P"), tiles))
     sa_g, sa_m = _scale_strides(a)
+    b_mat = args["b_ptr"] if a.along_k else args["b_ptr"].reshape(-1, args["K"])
+    if method == "tma" and a_in.numel() and b_mat.numel():  # (no descriptor of an empty matrix)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        args.update(a_ptr=TensorDescriptor.from_tensor(args["a_ptr"], [cfg["BM"], cfg["BK"]]),
+                    b_ptr=TensorDescriptor.from_tensor(b_mat, [cfg["BN"], cfg["BK"]]))
     _grouped_gemm_kernel[(programs,)](**args, sa_g=sa_g, sa_m=sa_m, ALONG_K=a.along_k,
-                                      INTERP=interpreting(), NUM_PROGRAMS=programs, **cfg)
+                                      TMA=not isinstance(args["a_ptr"], torch.Tensor),
+                                      INTERP=interpreting(),
+                                      NUM_PROGRAMS=programs, **cfg)
     return out.to(out_dtype)
 
 
