@@ -34,7 +34,7 @@ from .backends.grouped import GroupedBackend, check_offsets, get_grouped_backend
 from .formats import BLOCK
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import Block, GemmRole
+from .spec import GemmRole
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
            "grouped_grads", "pad_groups", "register_experts", "experts_modules", "router_ids"]
@@ -194,8 +194,8 @@ def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Ten
 # Modules
 # ----------------------------------------------------------------------------------------------
 class NVFP4Experts(nn.Module):
-    """The base of the NVFP4 experts modules: what they share: the recipe, the RHT signs and one SR stream per
-    projection, and the padded grouped projections.
+    """The base of the NVFP4 experts modules: the recipe, the RHT signs, one SR stream per
+    projection and the grouped projections.
 
     Buffers (saved in the state dict): ``rht_signs`` (16,) float32; ``sr_seed`` (P,) int64, the
     Philox key of projection p, ``(recipe.seed + layer_seed + crc32(name_p)) mod 2**32``;

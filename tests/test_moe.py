@@ -13,7 +13,6 @@ u = 2**-23 to cover tensor cores, Higham eq. 3.4; tests/test_kernels_gemm.py), t
 scaling rounds once (2**-24 |d|) and the output cast once (half an ulp of the output dtype).
 """
 
-import copy
 import logging
 
 import pytest
