@@ -78,7 +78,8 @@ def sr_state(seed=1234):
 def dequantized_groups(op, bounds):
     """float64 dequantized operand of each group (grouped operand) or expert (stacked operand)."""
     if isinstance(op, GroupedOperand):
-        return [R.dequantize(BG.group_slice(op, g, s, e)).double() for g, (s, e) in enumerate(bounds)]
+        return [R.dequantize(BG.group_slice(op, g, s, e)).double()
+                for g, (s, e) in enumerate(bounds)]
     return [R.dequantize(BG.expert_slice(op, g)).double() for g in range(len(bounds))]
 
 
@@ -96,21 +97,17 @@ def assert_within_bound(got, a_groups, b_groups, rows_of, dtype):
         assert worst <= 1.0, f"group {g}: error exceeds the bound by a factor {worst:.3g}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scaling,x_dtype", [("per_tensor", torch.bfloat16),
-                                             ("per_token", torch.float32)])
-def test_grouped_linear_matches_float64_emulation(backend, scaling, x_dtype):
-    """Y, dX and dW of ``grouped_linear`` equal float64 products of the operands the recipe
-    prescribes (X and W for fprop, dY with SR stream ``sr_seed`` at offset 0 and W^T for dgrad,
-    RHT'd dY^T at offset 2**31 and X^T for wgrad), each quantized per group by the reference."""
+def check_grouped_linear(backend, scaling, x_dtype, ends, k, n, device="cpu"):
+    """Y, dX and dW of ``grouped_linear`` against float64 products of the operands the recipe
+    prescribes, each quantized per group by the reference (on ``device``)."""
     recipe = nr.NVFP4Recipe(scaling=scaling, backend=backend)
-    ends = (16, 16, 64, 96)
-    offs = torch.tensor(ends, dtype=torch.int32)
-    x = rand((96, 48), x_dtype, seed=1).requires_grad_()
-    w = (rand((4, 32, 48), torch.float32, seed=2) * 1e-3).requires_grad_()
-    dy = rand((96, 32), x_dtype, seed=3)
-    signs = recipe.signs()
-    y = moe.grouped_linear(x, w, offs, recipe, signs, *sr_state(1234))
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    t, g = ends[-1], len(ends)
+    x = rand((t, k), x_dtype, device, seed=1).requires_grad_()
+    w = (rand((g, n, k), torch.float32, device, seed=2) * 1e-3).requires_grad_()
+    dy = rand((t, n), x_dtype, device, seed=3)
+    signs = recipe.signs().to(device)
+    y = moe.grouped_linear(x, w, offs, recipe, signs, *(s.to(device) for s in sr_state(1234)))
     y.backward(dy)
     assert y.dtype == x_dtype and x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
 
@@ -126,7 +123,25 @@ def test_grouped_linear_matches_float64_emulation(backend, scaling, x_dtype):
     assert_within_bound(y, d(xq), d(wq), lambda g: y[slice(*bounds[g])], x_dtype)
     assert_within_bound(x.grad, d(dyq), d(wt), lambda g: x.grad[slice(*bounds[g])], x_dtype)
     assert_within_bound(w.grad, d(dyt), d(xt), lambda g: w.grad[g], torch.float32)
-    assert (w.grad[1] == 0).all()  # the empty group
+    for g, (s, e) in enumerate(bounds):
+        assert e > s or (w.grad[g] == 0).all()  # an empty group
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scaling,x_dtype", [("per_tensor", torch.bfloat16),
+                                             ("per_token", torch.float32)])
+def test_grouped_linear_matches_float64_emulation(backend, scaling, x_dtype):
+    """Y, dX and dW of ``grouped_linear`` equal float64 products of the operands the recipe
+    prescribes (X and W for fprop, dY with SR stream ``sr_seed`` at offset 0 and W^T for dgrad,
+    RHT'd dY^T at offset 2**31 and X^T for wgrad), each quantized per group by the reference."""
+    check_grouped_linear(backend, scaling, x_dtype, (16, 16, 64, 96), 48, 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
+def test_grouped_linear_matches_float64_emulation_cuda(device, scaling):
+    check_grouped_linear("auto", scaling, torch.bfloat16, (512, 512, 1536, 2048, 2064, 3072),
+                         768, 1024, device)
 
 
 def test_grouped_linear_rejects_bad_offsets():
@@ -365,7 +380,9 @@ def emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, s
 def test_native_grouped_plumbing(monkeypatch, caplog):
     """fprop and dgrad on the native path (emulated) match each group's reference GEMM; per-token
     operands fall back to the Triton grouped GEMM, logged once."""
+    from nvfp4_recipe.backends import native
     monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", emulated_scaled_grouped_mm)
+    monkeypatch.setattr(native, "fp4_tensor_cores", lambda device: True)
     monkeypatch.setattr(BG, "warn_once", lambda msg, key=None: logging.getLogger(
         "nvfp4_recipe").warning(msg))
     native, oracle = BG.NativeGrouped(), BG.GroupedBackend()
@@ -388,6 +405,31 @@ def test_native_grouped_plumbing(monkeypatch, caplog):
         if e > s:
             assert_matches_reference(dx[s:e], BG.group_slice(dyq, g, s, e), BG.expert_slice(wt, g),
                                      out_dtype=torch.float32)
+
+
+def test_native_grouped_refuses_without_fp4_tensor_cores():
+    offs = torch.tensor([32], dtype=torch.int32)
+    oracle, r = BG.GroupedBackend(), nr.NVFP4Recipe()
+    xq, _ = oracle.quantize(rand((32, 64)), offs, r.spec(GemmRole.X_FPROP), None)
+    wq, _ = oracle.quantize_experts(rand((1, 32, 64)), r.spec(GemmRole.W_FPROP), need_t=False)
+    with pytest.raises(ValueError, match="sm100"):
+        BG.native_grouped_mm(xq, wq)
+
+
+@pytest.mark.cuda
+def test_native_grouped_on_blackwell(device):
+    from nvfp4_recipe.backends import native
+    if not native.fp4_tensor_cores(device):
+        pytest.skip("needs an sm100+ GPU")
+    offs = torch.tensor([256, 256, 640, 1024], dtype=torch.int32, device=device)
+    oracle, r = BG.GroupedBackend(), nr.NVFP4Recipe()
+    xq, _ = oracle.quantize(rand((1024, 512), device=device), offs, r.spec(GemmRole.X_FPROP), None)
+    wq, _ = oracle.quantize_experts(rand((4, 768, 512), device=device), r.spec(GemmRole.W_FPROP),
+                                    need_t=False)
+    y = BG.native_grouped_mm(xq, wq)
+    for g, (s, e) in enumerate(BG.group_bounds(offs)):
+        if e > s:
+            assert_matches_reference(y[s:e], BG.group_slice(xq, g, s, e), BG.expert_slice(wq, g))
 
 
 def test_blocked_group_scales_layout():

@@ -314,10 +314,16 @@ def native_grouped_mm(a: GroupedOperand, b: NVFP4Operand) -> torch.Tensor:
     ``BlockWise1x16`` in the swizzled 32x4x4 layout, the per-group outer scales as the
     ``TensorWise`` global scales, whose product scales each group's fp32 accumulator before its one
     rounding to bf16). UNTESTED ON HARDWARE (docs/moe.md): the CPU tests replace the call by an
-    emulation of its documented semantics."""
-    import torch.nn.functional as F
-    from .native import swizzle_scales
+    emulation of its documented semantics.
 
+    Raises:
+        ValueError: the operands are not on an sm100+ GPU.
+    """
+    import torch.nn.functional as F
+    from .native import fp4_tensor_cores, swizzle_scales
+
+    if not fp4_tensor_cores(a.data.device):
+        raise ValueError(f"the native grouped NVFP4 GEMM needs an sm100+ GPU, got {a.data.device}")
     fp4 = torch.float4_e2m1fn_x2
     n_groups = b.qdata.shape[0]
     b_scales = torch.stack([swizzle_scales(b.scale[g], b.block) for g in range(n_groups)])
