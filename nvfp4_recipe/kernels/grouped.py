@@ -6,7 +6,8 @@ matrix whose rows are split into G contiguous groups by ``offs`` (int32 (G,), cu
 ends, ``torch._grouped_mm``'s convention); group g is expert g's tokens. Every group's length must
 be a multiple of 16 (the wgrad copies have blocks of 16 tokens, which must not straddle two
 experts; callers pad each group, as TransformerEngine and torchao require). Rows past ``offs[-1]``
-belong to no group: they are neither quantized nor read. Expert weights are (G, N, K) tensors.
+belong to no group: they are neither quantized nor read, and the fprop/dgrad outputs hold zeros
+there. Expert weights are (G, N, K) tensors.
 
 - :func:`quantize_grouped`: one amax pass (:func:`grouped_amax_pass`) then one launch that writes,
   from one read of x, the rowwise copy (blocks along K) and the columnwise copy (each group's
@@ -16,8 +17,9 @@ belong to no group: they are neither quantized nor read. Expert weights are (G, 
 - :func:`quantize_experts`: the (G, N, K) weights per expert, 2D 16x16 blocks (W_g and its exact
   transpose from one read, one launch for all experts) or 1D blocks.
 - :func:`grouped_scaled_mm`: fprop and dgrad (``A`` grouped by rows, ``B`` one (N, K) operand per
-  expert) and wgrad (both operands grouped along K, the tokens; one (N, K') output per expert), on
-  16-bit inner values with fp32 accumulation and the outer scales in an fp32 epilogue, rounded once.
+  expert) and wgrad (both operands grouped along K, the tokens; one (N, K') output per expert), one
+  persistent launch on 16-bit inner values (read through TMA descriptors on sm90+) with fp32
+  accumulation and the outer scales in an fp32 epilogue, rounded once.
   ``torch._grouped_mm`` cannot take over here: torch 2.13 refuses an fp32 output for bf16 inputs
   (``_resolve_grouped_mm_out_dtype``), and rounding the product to bf16 before the outer scales
   would round twice.
@@ -52,7 +54,7 @@ NONE, PER_GROUP, PER_INDEX = 0, 1, 2  # what an amax or outer-scale output holds
 GC = tl.constexpr(16)  # group ends read per step when looking up the group of a row block
 
 
-def _configs(dims=("BB", "BC")):
+def _configs():
     """Autotuning space of the quantize and amax kernels: (BB, BC) = a tile of 16 BB x 16 BC
     elements. Untuned on GPUs yet (benchmarks/bench_moe.py); one small tile in the interpreter."""
     if interpreting():
