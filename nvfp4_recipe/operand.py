@@ -56,7 +56,7 @@ class GroupedOperand(NamedTuple):
     """Quantized data of an operand split into G groups (one per expert) along its token dimension.
 
     Groups are contiguous and follow ``torch._grouped_mm``'s convention: ``offs`` holds each
-    group's end, group g spans ``[offs[g - 1], offs[g])`` (``offs[-1]`` = 0), so groups may be
+    group's end, group g spans ``[offs[g - 1], offs[g])`` (from 0 for g = 0), so groups may be
     empty. Two layouts, the two ways tokens enter a GEMM (docs/moe.md):
 
     - ``along_k=False`` (fprop's X, dgrad's dY): ``data`` is the (T, K) matrix of all tokens,
