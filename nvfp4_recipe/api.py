@@ -1,4 +1,5 @@
-"""``quantize_(model, NVFP4Recipe())``: swap nn.Linear layers for NVFP4Linear, in place.
+"""``quantize_(model, NVFP4Recipe())``: swap nn.Linear layers for NVFP4Linear, in place, and the
+mixture-of-experts modules ``moe`` knows for their NVFP4 versions.
 
 :func:`quantize_` here applies the recipe's layer filter (fully qualified name patterns, first/last
 layers, feature counts not multiples of 16), logs every skipped layer by name and gives each layer
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from . import moe
 from .backends import get_backend
 from .formats import BLOCK
 from .linear import NVFP4Linear
@@ -47,10 +49,11 @@ def _check_backend(recipe: NVFP4Recipe, device: torch.device) -> None:
         get_backend(recipe.backend, device)
 
 
-def _check_same_recipe(fqn: str, layer: NVFP4Linear, recipe: NVFP4Recipe) -> None:
+def _check_same_recipe(fqn: str, layer: nn.Module, recipe: NVFP4Recipe) -> None:
     if layer.recipe != recipe:
         raise ValueError(
-            f"quantize_: layer {fqn or '(the model)'!r} is already an NVFP4Linear under another recipe "
+            f"quantize_: layer {fqn or '(the model)'!r} is already in NVFP4 ({type(layer).__name__}) "
+            f"under another recipe "
             f"({layer.recipe}); to re-configure, call nvfp4_recipe.dequantize_(model) first, then "
             f"quantize_(model, new_recipe) (this restarts the SR streams)")
 
@@ -99,17 +102,20 @@ def _linears(model: nn.Module) -> Dict[str, nn.Linear]:
 
 
 def skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
-    """For each nn.Linear that ``quantize_`` would leave in high precision: fqn -> the reason.
+    """For each nn.Linear and each experts module (``moe.experts_modules``) that ``quantize_``
+    would leave in high precision: fqn -> the reason.
 
     The first/last ``recipe.keep_first_last`` layers are counted among all linear layers, NVFP4Linear
-    ones included, so a second ``quantize_`` with the same recipe selects the same layers.
+    ones included, so a second ``quantize_`` with the same recipe selects the same layers. The
+    routers of MoE layers stay in high precision (``moe.router_ids``).
     """
     linears = _linears(model)
     names: List[str] = list(linears)
     n = recipe.keep_first_last
     edge = set(names[:n] + names[len(names) - n:]) if n else set()
     out_projs = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    reasons = {}
+    routers = moe.router_ids(model)
+    reasons = moe.experts_skip_reasons(model, recipe)
     for fqn, module in linears.items():
         if isinstance(module, NVFP4Linear):
             continue
@@ -120,6 +126,8 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
             reasons[fqn] = f"among the first/last {n} linear layers (keep_first_last)"
         elif id(module) in out_projs:
             reasons[fqn] = "out_proj of an nn.MultiheadAttention, which uses its weight, not its forward"
+        elif id(module) in routers:
+            reasons[fqn] = "the router of an MoE layer (routing stays in high precision)"
         else:
             problem = _shape_problem(module)
             if problem is not None:
@@ -133,9 +141,11 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
 
     Eligible: an nn.Linear whose in/out features are positive multiples of 16, whose fully
     qualified name matches none of ``recipe.keep_bf16`` and that is not among the first/last
-    ``recipe.keep_first_last`` linear layers, and (if given) for which ``filter_fn(module, fqn)``
-    is True. Each skipped layer is logged at INFO with its name and reason (see
-    :func:`skip_reasons`). The weight and bias Parameters are kept (an optimizer built before the
+    ``recipe.keep_first_last`` linear layers nor an MoE router, and (if given) for which
+    ``filter_fn(module, fqn)`` is True; and likewise each experts module ``moe`` knows
+    (torchtitan's ``GroupedExperts``, Hugging Face's batched experts; ``moe.register_experts``),
+    which becomes an ``moe.NVFP4Experts``. Each skipped layer is logged at INFO with its name and
+    reason (see :func:`skip_reasons`). The weight and bias Parameters are kept (an optimizer built before the
     swap still updates them); each layer gets its own SR stream from ``recipe.seed`` and its name.
 
     ``model`` may itself be an nn.Linear: it cannot be swapped in place, so the NVFP4Linear is
@@ -152,19 +162,20 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
     recipe = NVFP4Recipe() if recipe is None else recipe
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"quantize_ takes an NVFP4Recipe, got {type(recipe).__name__}")
-    linears = _linears(model)
-    for fqn, module in linears.items():
-        if isinstance(module, NVFP4Linear):
+    layers = {**_linears(model), **moe.experts_modules(model)}
+    for fqn, module in layers.items():
+        if isinstance(module, (NVFP4Linear, moe.NVFP4Experts)):
             _check_same_recipe(fqn, module, recipe)
     skipped = skip_reasons(model, recipe)
     for fqn, why in skipped.items():
         log.info("nvfp4: keeping %s in high precision: %s", fqn or "(the model)", why)
-    targets = {fqn: m for fqn, m in linears.items()
-               if not isinstance(m, NVFP4Linear) and fqn not in skipped
+    targets = {fqn: m for fqn, m in layers.items()
+               if not isinstance(m, (NVFP4Linear, moe.NVFP4Experts)) and fqn not in skipped
                and (filter_fn is None or filter_fn(m, fqn))}
-    for device in {m.weight.device for m in targets.values()}:
+    for device in {next(m.parameters()).device for m in targets.values()}:
         _check_backend(recipe, device)
-    swapped = {id(m): NVFP4Linear.from_linear(m, recipe, _layer_seed(fqn)) for fqn, m in targets.items()}
+    swapped = {id(m): NVFP4Linear.from_linear(m, recipe, _layer_seed(fqn)) if isinstance(m, nn.Linear)
+               else moe.convert_experts(m, recipe, _layer_seed(fqn)) for fqn, m in targets.items()}
     if id(model) in swapped:
         return swapped[id(model)]
     for parent in list(model.modules()):
@@ -175,13 +186,18 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
 
 
 def dequantize_(model: nn.Module) -> nn.Module:
-    """Swap every NVFP4Linear back to a plain nn.Linear (same Parameters), in place; returns the
-    model (the new nn.Linear when ``model`` is itself an NVFP4Linear)."""
-    if isinstance(model, NVFP4Linear):
-        return model.to_linear()
+    """Swap every NVFP4Linear back to a plain nn.Linear and every NVFP4 experts module back to the
+    module it was made from (same Parameters), in place; returns the model (the high-precision
+    module when ``model`` is itself an NVFP4 one)."""
+    if isinstance(model, (NVFP4Linear, moe.NVFP4Experts)):
+        return _high_precision(model)
     for name, child in list(model.named_children()):
-        if isinstance(child, NVFP4Linear):
-            setattr(model, name, child.to_linear())
+        if isinstance(child, (NVFP4Linear, moe.NVFP4Experts)):
+            setattr(model, name, _high_precision(child))
         else:
             dequantize_(child)
     return model
+
+
+def _high_precision(layer: nn.Module) -> nn.Module:
+    return layer.to_linear() if isinstance(layer, NVFP4Linear) else layer.high_precision()

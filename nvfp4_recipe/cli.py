@@ -21,6 +21,7 @@ from .train.recipes import DESCRIPTIONS, RECIPES
 
 PROG = "nvfp4-recipe"
 DEFAULT_RECIPES = ("bf16", "nvfp4")
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 
 
@@ -80,10 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: the preset's; 0 = no cap)")
     data.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
                       help="share of the bytes, by whole files, held out for validation (default 0.05)")
-    _add_preset_options(p.add_argument_group("model (dims must be multiples of 16)"), (
+    model = p.add_argument_group("model (dims must be multiples of 16)")
+    _add_preset_options(model, (
         ("--d-model", int, "width of the residual stream"), ("--n-layers", int, "transformer blocks"),
         ("--n-heads", int, "attention heads; --d-model must be a multiple of it"),
-        ("--d-ff", int, "hidden width of the MLP"), ("--seq-len", int, "tokens (bytes) per sequence")))
+        ("--d-ff", int, "hidden width of the MLP (of each expert with --moe)"),
+        ("--seq-len", int, "tokens (bytes) per sequence")))
+    model.add_argument("--moe", action="store_true",
+                       help=f"mixture-of-experts feed-forward layers: {MOE_EXPERTS} SwiGLU experts, "
+                            f"top-{MOE_TOP_K} routing (NVFP4 recipes run the experts as grouped "
+                            f"NVFP4 GEMMs and keep the router in high precision)")
+    model.add_argument("--experts", type=int, metavar="N",
+                       help=f"experts per MoE layer (implies --moe; default {MOE_EXPERTS})")
+    model.add_argument("--top-k", type=int, metavar="K",
+                       help=f"experts per token (implies --moe; default {MOE_TOP_K})")
     opt = p.add_argument_group("optimization")
     _add_preset_options(opt, (
         ("--steps", int, "optimizer steps per recipe"), ("--batch-size", int, "sequences per step"),
@@ -127,12 +138,20 @@ def _config_from_args(args):
                         d_ff=args.d_ff, seq_len=args.seq_len, steps=args.steps,
                         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                         eval_every=args.eval_every, eval_tokens=args.eval_tokens, seed=args.seed,
-                        backend=args.backend, mode=args.mode)
+                        backend=args.backend, mode=args.mode, **_moe_fields(args))
     cfg.validate()
     if args.max_mb is not None and not 0 <= args.max_mb < math.inf:
         raise ValueError(f"--max-mb must be a finite number >= 0, got {args.max_mb}")
     max_mb = PRESETS[args.preset][1]["max_mb"] if args.max_mb is None else (args.max_mb or None)
     return cfg, None if max_mb is None else int(max_mb * 1e6)
+
+
+def _moe_fields(args) -> dict:
+    """n_experts and top_k of the run: 0 experts (dense) unless --moe, --experts or --top-k."""
+    if not (args.moe or args.experts is not None or args.top_k is not None):
+        return {}
+    return {"n_experts": MOE_EXPERTS if args.experts is None else args.experts,
+            "top_k": MOE_TOP_K if args.top_k is None else args.top_k}
 
 
 def _device(name: str):
@@ -288,9 +307,10 @@ def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str, proces
 
 def _print_header(cfg, corpus, meta: dict, recipes: Sequence[str]) -> None:
     print(corpus.summary())
+    moe = f", {cfg.n_experts} experts, top-{cfg.top_k}" if cfg.n_experts else ""
     print(f"model: {meta['params'] / 1e6:.2f}M parameters (d_model={cfg.d_model}, n_layers={cfg.n_layers}, "
-          f"n_heads={cfg.n_heads}, d_ff={cfg.d_ff}, seq_len={cfg.seq_len}); embedding and lm_head stay in "
-          f"high precision under NVFP4")
+          f"n_heads={cfg.n_heads}, d_ff={cfg.d_ff}, seq_len={cfg.seq_len}{moe}); embedding and lm_head "
+          f"stay in high precision under NVFP4")
     procs = f" x {meta['processes']} processes (DDP)" if meta["processes"] > 1 else ""
     print(f"run: {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens on {meta['hardware']}{procs}; "
           f"precision: {meta['precision']}; recipes: {' '.join(recipes)}", flush=True)

@@ -50,3 +50,35 @@ class NVFP4Operand(NamedTuple):
     @property
     def has_codes(self) -> bool:
         return self.qdata is not None
+
+
+class GroupedOperand(NamedTuple):
+    """Quantized data of an operand split into G groups (one per expert) along its token dimension.
+
+    Groups are contiguous and follow ``torch._grouped_mm``'s convention: ``offs`` holds each
+    group's end, group g spans ``[offs[g - 1], offs[g])`` (from 0 for g = 0), so groups may be
+    empty. Two layouts, the two ways tokens enter a GEMM (docs/moe.md):
+
+    - ``along_k=False`` (fprop's X, dgrad's dY): ``data`` is the (T, K) matrix of all tokens,
+      blocks of 16 along K; group g is a range of rows. ``outer_scale``: (G,) one per group, or
+      with ``per_token`` (T,) one per row.
+    - ``along_k=True`` (wgrad's X^T and dY^T): ``data`` is the (R, T) matrix x^T, blocks of 16
+      along the tokens; group g is a range of columns (of the reduction dimension), each group's
+      blocks within it. ``outer_scale``: (G,), or with ``per_token`` (G, R): one per row of each
+      group's x_g^T.
+
+    Fields:
+        data: an :class:`NVFP4Operand` (1d blocks) whose ``outer_scale`` is laid out as above.
+        offs: int32 (G,) cumulative group ends along the token dimension, on the data's device.
+        along_k: the layout, see above.
+        per_token: whether the outer scales are per row (per token, or per row of x_g^T).
+    """
+
+    data: NVFP4Operand
+    offs: torch.Tensor
+    along_k: bool = False
+    per_token: bool = False
+
+    @property
+    def groups(self) -> int:
+        return self.offs.shape[0]

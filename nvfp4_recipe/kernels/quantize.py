@@ -297,13 +297,22 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
                         W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
                         SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
-    """W (N, K) in 16x16 blocks, a (16 BB, 16 BC) tile per program: codes stored packed along the
-    rows (q_ptr: int64 view of W's (N, K/2) bytes) and along the columns (qt_ptr: int64 view of
-    W^T's (K, N/2) bytes). The tile amaxes come from the row blocks; the W^T codes are computed
-    on the column blocks (read again), with the same multipliers and, for SR, W's random bits
-    transposed, so they equal the W codes."""
-    pid_b = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    """W (N, K) in 16x16 blocks, a (16 BB, 16 BC) tile per program (:func:`quantize_2d_tile`)."""
+    quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, scalar_arg(seed_arg, SEED_PTR),
+                     scalar_arg(off_arg, OFF_PTR), mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
+                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, BB, BC)
+
+
+@triton.jit
+def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off, mul16,
+                     q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr, pid_b, pid_c,
+                     W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
+                     BB: tl.constexpr, BC: tl.constexpr):
+    """Tile (pid_b, pid_c) of W (N, K) in 16x16 blocks: codes stored packed along the rows (q_ptr:
+    int64 view of W's (N, K/2) bytes) and along the columns (qt_ptr: int64 view of W^T's (K, N/2)
+    bytes). The tile amaxes come from the row blocks; the W^T codes are computed on the column
+    blocks (read again), with the same multipliers and, for SR, W's random bits transposed, so
+    they equal the W codes. ``seed`` and ``off``: the SR stream's key and counter base (values)."""
     n = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
     b = pid_b * BB + tl.arange(0, BB)
     c = pid_c * BC + tl.arange(0, BC)
@@ -319,11 +328,9 @@ def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_ar
         tl.store(s_ptr + b[:, None] * (K // 16) + c[None, :], scode.to(tl.uint8), mask=mask)
     if WT:
         tl.store(st_ptr + c[None, :] * (N // 16) + b[:, None], scode.to(tl.uint8), mask=mask)
-    seed = scalar_arg(seed_arg, SEED_PTR)
     bits = 0
     if SR:  # W's row-major element order
-        counter = (_u32(scalar_arg(off_arg, OFF_PTR)) + _u32(n[:, None]) * _u32(K // 16)
-                   + _u32(c[None, :]))
+        counter = _u32(off) + _u32(n[:, None]) * _u32(K // 16) + _u32(c[None, :])
         bits = bits16(seed, counter)  # (16 BB, BC, 16)
     if W:
         enc_r = tl.reshape(tl.broadcast_to(enc[:, None, :], (BB, 16, BC)), (16 * BB, BC))

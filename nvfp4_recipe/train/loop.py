@@ -47,9 +47,12 @@ class TrainConfig:
     seed: int = 0
     backend: str = "auto"         # NVFP4Recipe.backend
     mode: str = "auto"            # "eager", "graph" (CUDA only) or "auto" (graph on CUDA)
+    n_experts: int = 0            # > 0: MoE feed-forward layers of this many experts (--moe)
+    top_k: int = 2                # experts per token
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.d_model, self.n_layers, self.n_heads, self.d_ff, self.seq_len)
+        return ModelConfig(self.d_model, self.n_layers, self.n_heads, self.d_ff, self.seq_len,
+                           n_experts=self.n_experts, top_k=self.top_k)
 
     def validate(self) -> None:
         """Raises ValueError, naming the command-line option, for an invalid value."""
@@ -96,7 +99,7 @@ class RunResult:
     status: str                     # "ok" or why the run stopped early
     steps: int                      # optimizer steps done
     params: int
-    quantized: str                  # e.g. "8/9 linears in NVFP4"
+    quantized: str                  # e.g. "8/9 linears in NVFP4" (and the experts layers)
     train_loss: float               # mean over the last tenth of the steps
     val_loss: float                 # on the validation windows after the last step
     tokens_per_s: float             # training steps only, after the first few (JIT warm-up)

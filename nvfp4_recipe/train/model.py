@@ -1,7 +1,10 @@
-"""A small decoder-only transformer in plain torch.nn (pre-norm, RMSNorm, causal SDPA, GELU MLP).
+"""A small decoder-only transformer in plain torch.nn (pre-norm, RMSNorm, causal SDPA, GELU MLP),
+optionally with mixture-of-experts feed-forward layers (top-k routing to SwiGLU experts).
 
 Every ``nn.Linear`` has in/out features that are multiples of 16, so ``quantize_`` can swap all of
 them; the output projection is named ``lm_head`` so that recipes can keep it in high precision.
+The experts are a :class:`GroupedExperts` in torchtitan's layout, which ``quantize_`` converts to
+``moe.NVFP4GroupedExperts``; the router (``router``, one logit per expert) stays in high precision.
 """
 
 from dataclasses import dataclass
@@ -16,7 +19,8 @@ from .data import VOCAB
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of :class:`TinyLM`. ``d_model``, ``d_ff`` and ``seq_len`` must be multiples of 16 and
-    ``d_model`` a multiple of ``n_heads``."""
+    ``d_model`` a multiple of ``n_heads``. ``n_experts`` > 0 makes every feed-forward layer a
+    mixture of that many SwiGLU experts of hidden size ``d_ff``, ``top_k`` of them per token."""
 
     d_model: int
     n_layers: int
@@ -24,6 +28,8 @@ class ModelConfig:
     d_ff: int
     seq_len: int
     vocab: int = VOCAB
+    n_experts: int = 0
+    top_k: int = 2
 
     def validate(self) -> None:
         """Raises ValueError naming the field (as its command-line option) when a shape is invalid."""
@@ -36,6 +42,9 @@ class ModelConfig:
             raise ValueError(f"--n-layers and --n-heads must be >= 1, got {self.n_layers} and {self.n_heads}")
         if self.d_model % self.n_heads:
             raise ValueError(f"--d-model ({self.d_model}) must be a multiple of --n-heads ({self.n_heads})")
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"--experts must be >= 0 and --top-k in [1, --experts], got "
+                             f"{self.n_experts} and {self.top_k}")
 
 
 class Attention(nn.Module):
@@ -65,13 +74,56 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class GroupedExperts(nn.Module):
+    """SwiGLU experts in torchtitan's ``GroupedExperts`` layout: w1, w3 (E, hidden, dim), w2
+    (E, dim, hidden); ``forward(x, num_tokens_per_expert)`` on tokens sorted by expert, one
+    matmul per expert (high precision; ``quantize_`` swaps in the grouped NVFP4 module)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, x_e in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+            outs.append(F.linear(F.silu(F.linear(x_e, self.w1[e])) * F.linear(x_e, self.w3[e]),
+                                 self.w2[e]))
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    """Top-k token-choice mixture of experts (Mixtral's routing: softmax over the router's
+    logits, the top k renormalized), without load balancing: (B, T, d_model) -> same shape."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.d_model, cfg.d_ff, cfg.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(x2).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        order = torch.argsort(experts.reshape(-1), stable=True)  # assignments sorted by expert
+        tokens = order // self.top_k
+        counts = torch.bincount(experts.reshape(-1), minlength=self.experts.num_experts)
+        y = self.experts(x2[tokens], counts)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(y[: x2.shape[0]]).index_add(0, tokens, y).reshape(x.shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -79,8 +131,8 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Byte-level language model: token + learned position embeddings, ``n_layers`` pre-norm blocks,
-    a final RMSNorm and an untied ``lm_head``.
+    """Byte-level language model: token + learned position embeddings, ``n_layers`` pre-norm blocks
+    (with MoE feed-forward layers when ``cfg.n_experts``), a final RMSNorm and an untied ``lm_head``.
 
     forward(tokens) takes int64 (B, T) with T <= seq_len and returns float logits (B, T, vocab).
     """
@@ -96,9 +148,16 @@ class TinyLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.apply(self._init)
         nn.init.normal_(self.pos, std=0.02)
-        for block in self.blocks:  # GPT-2 style: scale the residual projections by depth
-            for lin in (block.attn.proj, block.mlp.fc2):
-                nn.init.normal_(lin.weight, std=0.02 / (2 * cfg.n_layers) ** 0.5)
+        residual_std = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2: residual projections by depth
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, std=residual_std)
+            if cfg.n_experts:
+                experts = block.mlp.experts
+                nn.init.normal_(experts.w1, std=0.02)
+                nn.init.normal_(experts.w3, std=0.02)
+                nn.init.normal_(experts.w2, std=residual_std)
+            else:
+                nn.init.normal_(block.mlp.fc2.weight, std=residual_std)
 
     @staticmethod
     def _init(m: nn.Module) -> None:

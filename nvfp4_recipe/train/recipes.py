@@ -1,8 +1,8 @@
 """The recipes ``nvfp4-recipe train`` compares: the high-precision baseline and NVFP4 variants.
 
 Every NVFP4 recipe keeps the embedding (not an nn.Linear) and the output projection ``lm_head`` in
-high precision, as NVFP4 pretraining recipes do; the variants each change one field of the
-default :class:`NVFP4Recipe` (an ablation).
+high precision, as NVFP4 pretraining recipes do (and, in MoE models, the routers: ``quantize_``'s
+default); the variants each change one field of the default :class:`NVFP4Recipe` (an ablation).
 """
 
 from typing import Dict, Optional, Sequence
@@ -68,8 +68,15 @@ def apply_recipe(model: nn.Module, name: str, seed: int, backend: str) -> nn.Mod
 
 
 def quantized_fraction(model: nn.Module) -> str:
-    """'k/n linears in NVFP4' for a model after :func:`apply_recipe`."""
+    """'k/n linears in NVFP4' for a model after :func:`apply_recipe`, with
+    'and e/m experts layers' when it has mixture-of-experts layers."""
     from nvfp4_recipe.linear import NVFP4Linear
+    from nvfp4_recipe.moe import NVFP4Experts, experts_modules
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     quantized = [m for m in linears if isinstance(m, NVFP4Linear)]
-    return f"{len(quantized)}/{len(linears)} linears in NVFP4"
+    text = f"{len(quantized)}/{len(linears)} linears"
+    experts = list(experts_modules(model).values())
+    if experts:
+        n_fp4 = sum(isinstance(m, NVFP4Experts) for m in experts)
+        text += f" and {n_fp4}/{len(experts)} experts layers"
+    return text + " in NVFP4"

@@ -1,0 +1,482 @@
+"""Mixture-of-experts layers in NVFP4: grouped fprop, dgrad and wgrad over the experts' token groups.
+
+The layer algorithm of ``linear.py`` applied to G experts at once (docs/moe.md): the tokens routed
+to the experts form one (T, K) matrix sorted by expert, split into groups by ``offs`` (int32
+cumulative ends, ``torch._grouped_mm``'s convention); each expert's weight W_g (N, K) is one slice
+of a (G, N, K) parameter. Per projection and step:
+
+    fprop  Y_g  = X_g W_g^T     X: 1D RN, one outer scale per group   W_g: 2D (or 1D) RN, per expert
+    dgrad  dX_g = dY_g W_g      dY: 1D SR                             W_g^T: the same 2D blocks
+    wgrad  dW_g = dY_g^T X_g    dY_g^T: RHT + 1D SR, X_g^T: RHT + 1D  (blocks of 16 tokens)
+
+each a grouped primitive of ``backends.grouped`` (the reference per group on CPU, the grouped
+kernels on GPUs). Every group's length must be a multiple of 16 (the wgrad blocks run along the
+tokens); the modules here pad each expert's tokens with zero rows (:func:`pad_groups`), so any
+routing works.
+
+Modules: :class:`NVFP4GroupedExperts` (torchtitan's ``GroupedExperts`` layout: SwiGLU experts w1,
+w3 (G, hidden, dim), w2 (G, dim, hidden); ``forward(x, num_tokens_per_expert)``) and
+:class:`NVFP4HFExperts` (Hugging Face transformers' batched experts: gate_up_proj (G, 2I, H),
+down_proj (G, H, I); ``forward(hidden_states, top_k_index, top_k_weights)``). ``quantize_`` swaps
+the modules :func:`register_experts` knows, keeping their Parameters.
+"""
+
+import fnmatch
+import zlib
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backends import get_backend
+from .backends.grouped import GroupedBackend, check_offsets, get_grouped_backend
+from .formats import BLOCK
+from .operand import GroupedOperand, NVFP4Operand
+from .recipe import SR_OFFSETS, NVFP4Recipe
+from .spec import GemmRole
+
+__all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
+           "grouped_grads", "pad_groups", "register_experts", "experts_modules", "router_ids"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer algorithm
+# ----------------------------------------------------------------------------------------------
+def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype,
+                  need_wt: bool, need_xt: bool,
+                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand]]:
+    """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``gb``.
+
+    Args:
+        x: (T, K) tokens sorted by expert; offs: int32 (G,) group ends; w: (G, N, K) weights.
+        signs: (16,) RHT signs of the wgrad copies.
+        need_wt, need_xt: also quantize each W_g^T (for dgrad) and each X_g^T (for wgrad).
+    Returns:
+        (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
+        grouped along the tokens or None): the copies backward keeps, as codes.
+    """
+    wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt)
+    xq, xt = gb.quantize(x, offs, recipe.spec(GemmRole.X_FPROP),
+                         recipe.spec(GemmRole.X_WGRAD) if need_xt else None, signs=signs,
+                         transient=(True, False))
+    return gb.mm(xq, wq, out_dtype=out_dtype), wt, xt
+
+
+def grouped_grads(gb: GroupedBackend, dy: torch.Tensor, offs: torch.Tensor,
+                  wt: Optional[NVFP4Operand], xt: Optional[GroupedOperand], recipe: NVFP4Recipe,
+                  signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
+                  dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dgrad and wgrad of a grouped NVFP4 linear from dY (T, N), as ``linear.linear_grads`` per
+    group: dY quantized rowwise (SR stream ``seed``, counter base ``SR_OFFSETS[DY_DGRAD]``) and
+    each dY_g^T along its tokens (RHT, SR, ``SR_OFFSETS[DY_WGRAD]``), from one read of dY.
+
+    Returns:
+        (dX (T, K) of ``dx_dtype`` or None, dW (G, N, K) of ``dw_dtype`` or None).
+    """
+    dyq, dytq = gb.quantize(
+        dy, offs, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
+        recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
+        row_offset=SR_OFFSETS[GemmRole.DY_DGRAD], col_offset=SR_OFFSETS[GemmRole.DY_WGRAD],
+        signs=signs, transient=(True, True))
+    dx = None if dyq is None else gb.mm(dyq, wt, out_dtype=dx_dtype)
+    del dyq
+    dw = None if dytq is None else gb.mm(dytq, xt, out_dtype=dw_dtype)
+    return dx, dw
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a high-precision layer would return: autocast's when it is on, else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    """Y (T, N) = grouped X (T, K) @ W_g^T with NVFP4 fprop, dgrad and wgrad (:func:`grouped_fprop`,
+    :func:`grouped_grads`). ``sr`` is the (seed, step) pair of 0-d int64 buffer views keying the
+    backward's SR stream (``seed + (step << 32)`` read in backward, then step += 1); they are kept
+    on ctx rather than saved, because the steps of a module's projections are views of one buffer
+    whose version counter every advance bumps."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, signs, sr, recipe: NVFP4Recipe, backend: str,
+                out_dtype: torch.dtype):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gb = get_grouped_backend(backend, x.device)
+        y, wt, xt = grouped_fprop(gb, x, offs, w, recipe, signs, out_dtype, need_dx, need_dw)
+        ctx.recipe, ctx.backend, ctx.sr = recipe, backend, sr
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.w_block = wt.block if wt is not None else None
+        ctx.xt_per_token = xt.per_token if xt is not None else None
+        none3 = (None, None, None)
+        ctx.save_for_backward(offs, signs, *(wt[:3] if wt else none3),
+                              *(xt.data[:3] if xt else none3))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        offs, signs, *saved = ctx.saved_tensors
+        wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None else None
+        xt = None if saved[3] is None else GroupedOperand(NVFP4Operand(*saved[3:6]), offs, True,
+                                                          ctx.xt_per_token)
+        sr_seed, sr_step = ctx.sr
+        seed = torch.add(sr_seed, sr_step, alpha=1 << 32)
+        sr_step.add_(1)
+        with torch.autocast(dy.device.type, enabled=False):
+            dx, dw = grouped_grads(get_grouped_backend(ctx.backend, dy.device), dy.contiguous(),
+                                   offs, wt if ctx.needs_input_grad[0] else None,
+                                   xt if ctx.needs_input_grad[1] else None, ctx.recipe, signs,
+                                   seed, ctx.x_dtype, ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe,
+                   signs: torch.Tensor, sr_seed: torch.Tensor, sr_step: torch.Tensor,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """A grouped linear with NVFP4 fprop, dgrad and wgrad: ``Y[group g] = X_g @ W_g^T``, autograd
+    to x and w.
+
+    Args:
+        x: (T, K) bfloat16/float16/float32 tokens sorted by expert, K a multiple of 16.
+        w: (G, N, K) expert weights, N and K multiples of 16.
+        offs: int32 (G,) cumulative group ends on x's device; every group a multiple of 16
+            tokens (validated here, one host sync; :func:`pad_groups` pads), ``offs[-1] <= T``.
+        recipe: the quantization of each operand (``recipe.spec``); signs: (16,) RHT signs.
+        sr_seed, sr_step: 0-d int64 tensors keying the backward's SR stream (the step advances
+            in backward, in place).
+        backend: default ``recipe.backend``.
+    Returns:
+        (T, N) in the autocast dtype if autocast is on, else x's dtype; zeros past ``offs[-1]``.
+    Raises:
+        TypeError, ValueError: bad offsets (naming the group), shapes or dtypes.
+    """
+    check_offsets(offs, x.shape[0])
+    return _grouped_linear(x, w, offs, recipe, signs, (sr_seed, sr_step),
+                           backend or recipe.backend)
+
+
+def _grouped_linear(x, w, offs, recipe, signs, sr, backend):
+    """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step)."""
+    out_dtype = _out_dtype(x)
+    backend = get_backend(backend, w.device).name
+    with torch.autocast(x.device.type, enabled=False):
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _GroupedLinearFn.apply(x, w, offs, signs, sr, recipe, backend, out_dtype)
+        gb = get_grouped_backend(backend, x.device)
+        return grouped_fprop(gb, x, offs, w, recipe, signs, out_dtype, False, False)[0]
+
+
+def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Where the rows of G groups go when each group is padded to a multiple of 16 rows, computed
+    on the device (no host sync, so the padded size is an upper bound).
+
+    Args:
+        counts: (G,) rows per group (any numeric dtype, e.g. torchtitan's float
+            ``num_tokens_per_expert``), summing to ``rows``.
+        rows: the number of rows, sorted by group.
+    Returns:
+        (offs, dest, padded_rows): int32 (G,) ends of the padded groups; int64 (rows,) row of
+        each input row in the padded tensor; the padded tensor's row count,
+        ``ceil(rows / 16) * 16 + 16 G`` (rows past ``offs[-1]`` belong to no group).
+    """
+    counts = counts.to(torch.int64)
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+    ends = torch.cumsum(padded, 0)
+    shift = (ends - padded) - (torch.cumsum(counts, 0) - counts)  # padded start - start
+    group = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                    output_size=rows)
+    dest = torch.arange(rows, device=counts.device) + shift[group]
+    return ends.to(torch.int32), dest, (rows + BLOCK - 1) // BLOCK * BLOCK + BLOCK * counts.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+class NVFP4Experts(nn.Module):
+    """The base of the NVFP4 experts modules: the recipe, the RHT signs, one SR stream per
+    projection and the grouped projections.
+
+    Buffers (saved in the state dict): ``rht_signs`` (16,) float32; ``sr_seed`` (P,) int64, the
+    Philox key of projection p, ``(recipe.seed + layer_seed + crc32(name_p)) mod 2**32``;
+    ``sr_step`` (P,) int64, advanced by each backward of projection p (the stream of a backward is
+    keyed by ``sr_seed[p] + (sr_step[p] << 32)``). A checkpoint without them (the high-precision
+    module's) keeps the module's own; moving off the meta device sets them.
+    """
+
+    PROJECTIONS: Tuple[str, ...] = ()
+
+    def _setup(self, recipe: Optional[NVFP4Recipe], layer_seed: int, device) -> None:
+        self.recipe = recipe if recipe is not None else NVFP4Recipe()
+        self.layer_seed = layer_seed
+        n = len(self.PROJECTIONS)
+        self.register_buffer("rht_signs", torch.empty(BLOCK, dtype=torch.float32, device=device))
+        self.register_buffer("sr_seed", torch.empty(n, dtype=torch.int64, device=device))
+        self.register_buffer("sr_step", torch.empty(n, dtype=torch.int64, device=device))
+        self.reset_recipe_buffers()
+
+    @torch.no_grad()
+    def reset_recipe_buffers(self) -> None:
+        """Set ``rht_signs``, ``sr_seed`` and ``sr_step`` (in place) to a new module's values."""
+        self.rht_signs.copy_(self.recipe.signs())
+        seeds = [(self.recipe.seed + self.layer_seed + zlib.crc32(p.encode())) & 0xFFFFFFFF
+                 for p in self.PROJECTIONS]
+        self.sr_seed.copy_(torch.tensor(seeds, dtype=torch.int64))
+        self.sr_step.zero_()
+
+    def _apply(self, fn, recurse=True):
+        was_meta = self.sr_step.is_meta  # to_empty gives the buffers uninitialized memory
+        super()._apply(fn, recurse)
+        if was_meta and not self.sr_step.is_meta:
+            self.reset_recipe_buffers()
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        for name in ("rht_signs", "sr_seed", "sr_step"):
+            state_dict.setdefault(prefix + name, getattr(self, name))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
+        return _grouped_linear(x, w, offs, self.recipe, self.rht_signs,
+                               (self.sr_seed[p], self.sr_step[p]), self.recipe.backend)
+
+    def high_precision(self) -> nn.Module:
+        """The high-precision module this one was made from (sharing the Parameters).
+
+        Raises:
+            ValueError: the module was built directly, not converted from one.
+        """
+        if self._original is None:
+            raise ValueError(f"this {type(self).__name__} was built directly; there is no "
+                             f"high-precision module to return")
+        return self._original
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        parts = ["rht" if r.rht else "no-rht", "sr" if r.stochastic_rounding else "rn",
+                 "2d-weights" if r.weight_2d else "1d-weights", r.scaling]
+        return f"experts={self.num_experts}, recipe=nvfp4({', '.join(parts)}), backend={r.backend}"
+
+
+def _padded(x: torch.Tensor, counts: torch.Tensor):
+    """(x with each group padded to a multiple of 16 zero rows, offs, dest) (:func:`pad_groups`)."""
+    offs, dest, rows = pad_groups(counts, x.shape[0])
+    return x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x), offs, dest
+
+
+class NVFP4GroupedExperts(NVFP4Experts):
+    """SwiGLU experts in torchtitan's ``GroupedExperts`` layout, every projection in NVFP4.
+
+    ``forward(x, num_tokens_per_expert)``: x (T, dim) sorted by expert, ``num_tokens_per_expert``
+    (G,) (any numeric dtype) summing to T; returns ``w2(silu(w1 x) * w3 x)`` per expert, (T, dim),
+    in the autocast dtype if autocast is on, else x's. Each expert's tokens are padded to a
+    multiple of 16 with zero rows inside (they cost compute, not results).
+
+    Parameters: w1, w3 (G, hidden_dim, dim) and w2 (G, dim, hidden_dim), dims multiples of 16.
+    Projections (SR streams): "w1", "w3", "w2". See :class:`NVFP4Experts` for the buffers.
+    """
+
+    PROJECTIONS = ("w1", "w3", "w2")
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int,
+                 recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0, device=None,
+                 dtype=None):
+        super().__init__()
+        for name, n in (("dim", dim), ("hidden_dim", hidden_dim)):
+            if n <= 0 or n % BLOCK:
+                raise ValueError(f"NVFP4GroupedExperts needs {name} to be a positive multiple of "
+                                 f"{BLOCK}, got {n}")
+        kw = dict(device=device, dtype=dtype)
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        self._setup(recipe, layer_seed, device)
+        object.__setattr__(self, "_original", None)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, recipe: Optional[NVFP4Recipe] = None,
+                     layer_seed: int = 0) -> "NVFP4GroupedExperts":
+        """The NVFP4 module of a torchtitan-style ``GroupedExperts``, sharing its w1, w2, w3
+        Parameters (optimizers keep them); :meth:`high_precision` gives ``experts`` back."""
+        g, hidden, dim = experts.w1.shape
+        new = cls(dim, hidden, g, recipe, layer_seed, device="meta")
+        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
+        new._setup(new.recipe, layer_seed, experts.w1.device)
+        object.__setattr__(new, "_original", experts)
+        new.train(experts.training)
+        return new
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.w1.shape[2]:
+            raise ValueError(f"NVFP4GroupedExperts expects x (tokens, {self.w1.shape[2]}), got "
+                             f"{tuple(x.shape)}")
+        xp, offs, dest = _padded(x, num_tokens_per_expert)
+        h = F.silu(self._project(0, xp, offs, self.w1)) * self._project(1, xp, offs, self.w3)
+        return self._project(2, h, offs, self.w2).index_select(0, dest)
+
+
+class NVFP4HFExperts(NVFP4Experts):
+    """Hugging Face transformers' batched experts (``@use_experts_implementation`` modules such as
+    ``Qwen3MoeExperts`` or ``MixtralExperts``: gate_up_proj (G, 2I, H) with the gate rows first,
+    down_proj (G, H, I), no bias, ``act_fn(gate) * up``), every projection in NVFP4.
+
+    ``forward(hidden_states, top_k_index, top_k_weights)`` as theirs: hidden_states (T, H),
+    top_k_index (T, k) expert ids, top_k_weights (T, k); returns sum_j weight_j * expert_j(x),
+    (T, H), in hidden_states' dtype (the autocast dtype under autocast). Tokens are sorted by
+    expert and each expert's tokens padded to a multiple of 16 inside.
+
+    Projections (SR streams): "gate_up_proj", "down_proj". See :class:`NVFP4Experts`.
+    """
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, experts: nn.Module, recipe: Optional[NVFP4Recipe] = None,
+                 layer_seed: int = 0):
+        """Wrap ``experts`` (see :func:`hf_experts_problem` for what is supported), sharing its
+        Parameters and ``act_fn``; :meth:`high_precision` gives it back."""
+        super().__init__()
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.act_fn = experts.act_fn
+        self._setup(recipe, layer_seed, experts.gate_up_proj.device)
+        object.__setattr__(self, "_original", experts)
+        self.train(experts.training)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device)
+        counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # no host sync (bincount)
+        xp, offs, dest = _padded(hidden_states[perm // k], counts)
+        gate, up = self._project(0, xp, offs, self.gate_up_proj).chunk(2, dim=-1)
+        h = self._project(1, self.act_fn(gate) * up, offs, self.down_proj).index_select(0, dest)
+        weighted = h * top_k_weights.reshape(-1)[perm, None].to(h.dtype)
+        out = torch.zeros(tokens * k, h.shape[1], dtype=h.dtype, device=h.device)
+        out = out.index_copy(0, perm, weighted)
+        return out.view(tokens, k, -1).sum(dim=1).to(_out_dtype(hidden_states))
+
+
+# ----------------------------------------------------------------------------------------------
+# Which modules quantize_ swaps
+# ----------------------------------------------------------------------------------------------
+def _is_param3(m: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(m, n, None), nn.Parameter) and getattr(m, n).dim() == 3
+               for n in names)
+
+
+def _dims_problem(named_dims) -> Optional[str]:
+    for name, n in named_dims:
+        if n <= 0 or n % BLOCK:
+            return f"{name}={n} is not a positive multiple of {BLOCK}"
+    return None
+
+
+def titan_experts_problem(m: nn.Module) -> Optional[str]:
+    """Why a torchtitan-style ``GroupedExperts`` cannot run in NVFP4 (None if it can)."""
+    g, hidden, dim = m.w1.shape
+    if m.w2.shape != (g, dim, hidden) or m.w3.shape != (g, hidden, dim):
+        return f"w1/w2/w3 shapes {tuple(m.w1.shape)}, {tuple(m.w2.shape)}, {tuple(m.w3.shape)} " \
+               f"are not (G, hidden, dim), (G, dim, hidden), (G, hidden, dim)"
+    return _dims_problem((("dim", dim), ("hidden_dim", hidden)))
+
+
+def hf_experts_problem(m: nn.Module) -> Optional[str]:
+    """Why a Hugging Face batched experts module cannot run in NVFP4 (None if it can): the layout
+    must be transformers' default (gate and up concatenated, not transposed, no bias, a gate, no
+    post-expert norm, its default ``_apply_gate``) and not expert-parallel."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # a module of this layout without transformers: its own gate is the default
+        _default_apply_gate = getattr(type(m), "_apply_gate", None)
+    flags = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
+             "has_post_expert_norm": False, "_is_expert_parallel": False}
+    for flag, want in flags.items():
+        if getattr(m, flag, want) != want:
+            return f"{flag}={getattr(m, flag)!r} (NVFP4HFExperts takes {flag}={want})"
+    if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return "a custom _apply_gate"
+    g, two_i, h = m.gate_up_proj.shape
+    return _dims_problem((("hidden_size", h), ("intermediate_size", two_i // 2),
+                          ("2 * intermediate_size", two_i)))
+
+
+def _is_titan_experts(m: nn.Module) -> bool:
+    return type(m).__name__ == "GroupedExperts" and _is_param3(m, "w1", "w2", "w3")
+
+
+def _is_hf_experts(m: nn.Module) -> bool:
+    return (_is_param3(m, "gate_up_proj", "down_proj") and hasattr(m, "has_gate")
+            and hasattr(m, "is_transposed") and hasattr(m, "act_fn"))
+
+
+# (matches, problem, convert(module, recipe, layer_seed)) of each supported experts layout
+_EXPERTS: List[Tuple[Callable, Callable, Callable]] = [
+    (_is_titan_experts, titan_experts_problem, NVFP4GroupedExperts.from_experts),
+    (_is_hf_experts, hf_experts_problem, NVFP4HFExperts),
+]
+
+
+def register_experts(matches: Callable[[nn.Module], bool],
+                     problem: Callable[[nn.Module], Optional[str]],
+                     convert: Callable[[nn.Module, NVFP4Recipe, int], nn.Module]) -> None:
+    """Teach ``quantize_`` another experts module: ``matches(module)`` recognizes it,
+    ``problem(module)`` says why one cannot be converted (None if it can) and
+    ``convert(module, recipe, layer_seed)`` returns the NVFP4 module, sharing the Parameters and
+    taking the same forward arguments."""
+    _EXPERTS.append((matches, problem, convert))
+
+
+def _entry(m: nn.Module):
+    return next((e for e in _EXPERTS if e[0](m)), None)
+
+
+def experts_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """fqn -> module of every experts module ``quantize_`` knows (converted ones included)."""
+    return {fqn: m for fqn, m in model.named_modules()
+            if isinstance(m, NVFP4Experts) or _entry(m) is not None}
+
+
+def experts_skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
+    """fqn -> why ``quantize_`` leaves a known experts module in high precision."""
+    reasons = {}
+    for fqn, m in experts_modules(model).items():
+        if isinstance(m, NVFP4Experts):
+            continue
+        pattern = next((p for p in recipe.keep_bf16 if fnmatch.fnmatchcase(fqn, p)), None)
+        problem = _entry(m)[1](m)
+        if pattern is not None:
+            reasons[fqn] = f"matches keep_bf16 pattern {pattern!r}"
+        elif problem is not None:
+            reasons[fqn] = problem
+    return reasons
+
+
+def convert_experts(m: nn.Module, recipe: NVFP4Recipe, layer_seed: int) -> nn.Module:
+    """The NVFP4 module of a known experts module (see :func:`register_experts`)."""
+    return _entry(m)[2](m, recipe, layer_seed)
+
+
+def router_ids(model: nn.Module) -> Dict[int, str]:
+    """id -> fqn of the MoE routers among the model's nn.Linear layers: under the parent of a
+    known experts module, the linears with one output per expert (torchtitan's ``router.gate``).
+    They stay in high precision (NVIDIA's NVFP4 recipe keeps routing in high precision)."""
+    routers = {}
+    modules = dict(model.named_modules())
+    for fqn, experts in experts_modules(model).items():
+        parent = fqn.rpartition(".")[0]
+        n_experts = getattr(experts, "num_experts", None) or _num_experts(experts)
+        prefix = parent + "." if parent else ""
+        for name, m in modules.items():
+            if (isinstance(m, nn.Linear) and name.startswith(prefix) and not name.startswith(fqn + ".")
+                    and m.out_features == n_experts):
+                routers[id(m)] = name
+    return routers
+
+
+def _num_experts(m: nn.Module) -> int:
+    return next(p.shape[0] for p in m.parameters() if p.dim() == 3)
