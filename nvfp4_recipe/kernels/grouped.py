@@ -576,9 +576,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, offs_ptr, sa_ptr, sb_ptr, out_ptr, G, M, 
                      mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-# BM, BN, BK, GROUP_M, num_warps, num_stages; P programs per SM. Not yet tuned on a GPU
-# (benchmarks/bench_moe.py --sweep); the interpreter takes one small config.
-GROUPED_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, P=1)
+# BM, BN, BK, GROUP_M, num_warps, num_stages; P programs per SM: the fastest of
+# benchmarks/bench_moe.py --sweep for all three GEMMs on an H200 (docs/moe.md); the interpreter
+# takes one small config.
+GROUPED_GEMM_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, P=1)
 _INTERP_GROUPED_GEMM_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1, P=1)
 
 
