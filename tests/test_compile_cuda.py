@@ -21,6 +21,16 @@ def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def step_both(compiled, model, ref, x):
+    """One fwd+bwd of the compiled model (whose parameters are ``model``'s) and of the eager copy
+    ``ref`` on x, under bf16 autocast, from zero gradients."""
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", torch.bfloat16):
+        compiled(x).float().square().mean().backward()
+        ref(x).float().square().mean().backward()
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_step_matches_eager(device, backend):
     """aot_eager runs the traced graph with eager kernels: bit-identical gradients. Inductor also
@@ -34,11 +44,7 @@ def test_compiled_step_matches_eager(device, backend):
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
     for _ in range(2):  # the second step checks that the SR step advanced in the compiled backward
-        for m in (model, ref):
-            m.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            compiled(x).float().square().mean().backward()
-            ref(x).float().square().mean().backward()
+        step_both(compiled, model, ref, x)
         for a, b in zip(grads(model), grads(ref)):
             if backend == "aot_eager":
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -90,11 +96,7 @@ def test_reduce_overhead_advances_sr_every_step(device):
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
     seen = []
     for _ in range(4):  # warm-up, recording, then replays of the captured graph
-        for m in (model, ref):
-            m.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            compiled(x).float().square().mean().backward()
-            ref(x).float().square().mean().backward()
+        step_both(compiled, model, ref, x)
         for a, b in zip(grads(model), grads(ref)):
             assert float((a - b).norm() / b.norm()) < 2e-3
         seen.append(grads(model)[0])
