@@ -43,6 +43,9 @@ def _rank_main(rank, world, port, worker, args):
     torch.set_num_threads(1)
     try:
         worker(rank, world, *args)
+        # no rank tears its group down while another still has collectives in flight (DTensor's
+        # async all-reduces): gloo aborted the process at exit in one CI run without this
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
