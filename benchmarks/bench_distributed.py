@@ -10,7 +10,13 @@ time is the median over the steps after the first five (wall clock, synchronized
 peak memory (``torch.cuda.max_memory_allocated``) are per GPU, rank 0's; the loss is the mean over
 the ranks and the last five steps. Prints a table and writes JSON (rank 0).
 
+``--sr-draws D`` trains NVFP4 D times from the same initialization and data with other SR streams
+(draw d gives rank r the stream ``sr_rank = r + d * world``, so no two draws or ranks share one):
+the spread of their losses is the SR noise that a run on another number of GPUs (the same global
+batch, other streams) must stay within.
+
     torchrun --nproc-per-node N benchmarks/bench_distributed.py [--steps 50] [--json out.json]
+    torchrun --nproc-per-node 1 benchmarks/bench_distributed.py --batch-per-gpu 16 --sr-draws 4
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --device cpu --tiny   # a CPU check
 """
 
@@ -24,12 +30,12 @@ import torch.distributed as dist
 
 from common import environment, markdown_table, write_json
 from nvfp4_recipe.distributed import set_sr_rank
+from nvfp4_recipe.linear import NVFP4Linear
 from nvfp4_recipe.train.data import Batches, load_corpus
 from nvfp4_recipe.train.loop import TrainConfig, lm_loss, make_optimizer
 from nvfp4_recipe.train.model import ModelConfig, TinyLM, count_params
 from nvfp4_recipe.train.recipes import apply_recipe
 
-RECIPES = ("bf16", "nvfp4")
 WIDE = ModelConfig(d_model=2048, n_layers=4, n_heads=16, d_ff=8192, seq_len=1024)
 TINY = ModelConfig(d_model=64, n_layers=1, n_heads=2, d_ff=256, seq_len=64)
 WARMUP = 5  # steps left out of the step time
@@ -50,14 +56,18 @@ def setup(device_name: str) -> torch.device:
     return device
 
 
-def build(recipe: str, cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """The model (the same initialization on every rank), quantized under ``recipe``, with each
-    block and the root sharded by fully_shard (bf16 parameters, fp32 reduction) on ``device``."""
+def build(recipe: str, cfg: ModelConfig, device: torch.device, draw: int = 0) -> torch.nn.Module:
+    """The model (the same initialization on every rank), quantized under ``recipe`` with SR
+    streams ``rank + draw * world``, with each block and the root sharded by fully_shard (bf16
+    parameters, fp32 reduction) on ``device``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = apply_recipe(TinyLM(cfg), recipe, seed=0, backend="auto")
     if recipe != "bf16":
         set_sr_rank(model)
+        for layer in model.modules():
+            if isinstance(layer, NVFP4Linear):
+                layer.sr_rank += draw * dist.get_world_size()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
@@ -70,10 +80,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(recipe: str, cfg: ModelConfig, batches: Batches, steps: int, device: torch.device) -> dict:
+def measure(recipe: str, cfg: ModelConfig, batches: Batches, steps: int, device: torch.device,
+            draw: int = 0) -> dict:
     """Train ``steps`` steps; rank 0's step time, tokens/s and peak memory, and the mean loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(recipe, cfg, device)
+    model = build(recipe, cfg, device, draw)
     opt, _ = make_optimizer(model, TrainConfig(lr=3e-4))
     batches.generator.manual_seed(0)
     if device.type == "cuda":
@@ -106,6 +117,8 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-per-gpu", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--device", default="cuda", help="cuda (one GPU per process) or cpu (gloo)")
+    p.add_argument("--sr-draws", type=int, default=1,
+                   help="NVFP4 runs with independent SR streams (their loss spread is the SR noise)")
     p.add_argument("--tiny", action="store_true", help="a tiny model and 6 steps, to check the script")
     p.add_argument("--json", default="bench_distributed.json")
     args = p.parse_args()
@@ -114,17 +127,26 @@ def main():
     world = dist.get_world_size()
     corpus = load_corpus(max_bytes=int(2e6 if args.tiny else 64e6))
     batches = Batches(corpus, args.batch_per_gpu * world, cfg.seq_len, seed=0)
-    results = {r: measure(r, cfg, batches, steps, device) for r in RECIPES}
+    results = {"bf16": measure("bf16", cfg, batches, steps, device)}
+    for draw in range(args.sr_draws):
+        name = "nvfp4" if draw == 0 else f"nvfp4 (SR draw {draw})"
+        results[name] = measure("nvfp4", cfg, batches, steps, device, draw)
     if dist.get_rank() == 0:
-        rows = [{"recipe": r, **v, "x bf16 step": v["step_ms"] / results["bf16"]["step_ms"]}
+        rows = [{"recipe": r, **v, "x bf16 step": v["step_ms"] / results["bf16"]["step_ms"],
+                 "loss": f"{v['loss']:.5f}"}
                 for r, v in results.items()]
+        draws = [v["loss"] for r, v in results.items() if r.startswith("nvfp4")]
+        if len(draws) > 1:
+            print(f"NVFP4 loss over {len(draws)} SR draws: mean {statistics.mean(draws):.5f}, "
+                  f"standard deviation {statistics.stdev(draws):.5f}")
         print(f"FSDP2, {world} x {device.type}, {vars(cfg)}, {steps} steps, "
               f"{args.batch_per_gpu} x {cfg.seq_len} tokens per GPU per step")
         print(markdown_table(rows, ["recipe", "step_ms", "x bf16 step", "tokens_per_s_per_gpu",
                                     "peak_gib_per_gpu", "loss"]))
         write_json(args.json, {"environment": environment(), "world_size": world,
                                "model": vars(cfg), "steps": steps,
-                               "batch_per_gpu": args.batch_per_gpu, "results": results})
+                               "batch_per_gpu": args.batch_per_gpu, "sr_draws": args.sr_draws,
+                               "results": results})
     dist.destroy_process_group()
 
 

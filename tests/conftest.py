@@ -17,12 +17,12 @@ def device():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count()
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus}"))
+        elif "cuda" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 @pytest.fixture

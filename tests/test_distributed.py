@@ -1,13 +1,15 @@
-"""NVFP4 layers under data and tensor parallelism on the CPU (gloo, 2 processes): SR streams per
-data-parallel rank, DDP and FSDP2 against a single-process emulation, DCP checkpoints, tensor
-parallelism against the unsharded layer.
+"""NVFP4 layers under data and tensor parallelism, 2 processes: SR streams per data-parallel rank,
+DDP and FSDP2 against a single-process emulation, DCP checkpoints, tensor parallelism against the
+unsharded layer. Each runs on the CPU (gloo, reference backend) and, marked ``multigpu``, on two
+CUDA GPUs (NCCL, Triton backend; skipped with fewer GPUs).
 
-Each multi-process test spawns its ranks (``torch.multiprocessing``, gloo on 127.0.0.1 through a
-TCPStore the test process owns, so no port can be taken in between); workers save what they
-measured and the test process asserts on it.
+Each multi-process test spawns its ranks (``torch.multiprocessing``, one GPU each on CUDA, on
+127.0.0.1 through a TCPStore the test process owns, so no port can be taken in between); workers
+save what they measured and the test process asserts on it.
 """
 
 import copy
+import os
 import time
 import warnings
 
@@ -32,17 +34,28 @@ D_IN, D_HID = 64, 128
 TOKENS = 32  # per rank; a multiple of 16, since wgrad blocks run along tokens
 STEPS = 3
 LR = 1e-2
+# the CPU (gloo), and 2 GPUs (NCCL) where there are
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.multigpu])]
+# NVLink multicast off in every NCCL process: on a shared host it can take the GPUs out of service
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # ------------------------------------------------------------------------------------------------
 # Processes
 # ------------------------------------------------------------------------------------------------
-def _rank_main(rank, world, port, worker, args):
+def _rank_main(rank, world, port, device_type, worker, args):
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        worker(rank, world, *args)
+        worker(rank, world, device, *args)
         # no rank tears its group down while another still has collectives in flight (DTensor's
         # async all-reduces): gloo aborted the process at exit in one CI run without this
         dist.barrier()
@@ -50,12 +63,15 @@ def _rank_main(rank, world, port, worker, args):
         dist.destroy_process_group()
 
 
-def spawn(worker, *args, world=WORLD, timeout_s=180):
-    """Run ``worker(rank, world, *args)`` in ``world`` processes joined by a gloo process group;
-    re-raises a worker's exception; kills them after ``timeout_s`` (a hung collective)."""
+def spawn(worker, *args, world=WORLD, device="cpu", timeout_s=180):
+    """Run ``worker(rank, world, device, *args)`` in ``world`` processes joined by a process group:
+    gloo on the CPU for ``device`` "cpu", NCCL with rank r on ``cuda:r`` for "cuda"; re-raises a
+    worker's exception; kills them after ``timeout_s`` (a hung collective)."""
+    if device == "cuda":
+        os.environ.update(MULTICAST_OFF)  # the spawned processes inherit it
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.start_processes(_rank_main, args=(world, store.port, worker, args), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(world, store.port, device, worker, args),
+                             nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -68,19 +84,21 @@ def spawn(worker, *args, world=WORLD, timeout_s=180):
 # The model, the data and the single-process emulation of data parallelism
 # ------------------------------------------------------------------------------------------------
 def _model(device="cpu", recipe=None):
-    """The MLP every test trains, quantized; the same weights in every process (seeded)."""
+    """The MLP every test trains, quantized, on ``device``; the same weights in every process
+    (seeded, drawn on the CPU) or, for the meta device, none."""
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device("meta" if str(device) == "meta" else "cpu"):
         model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.GELU(), nn.Linear(D_HID, D_IN))
-    return nr.quantize_(model, recipe or nr.NVFP4Recipe())
+    model = nr.quantize_(model, recipe or nr.NVFP4Recipe())
+    return model if str(device) == "meta" else model.to(device)
 
 
-def _batches():
-    """STEPS global batches (inputs, targets) of WORLD * TOKENS rows; rank r takes rows
-    [r * TOKENS, (r + 1) * TOKENS)."""
+def _batches(device="cpu"):
+    """STEPS global batches (inputs, targets) of WORLD * TOKENS rows on ``device``; rank r takes
+    rows [r * TOKENS, (r + 1) * TOKENS)."""
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(WORLD * TOKENS, D_IN, generator=g),
-             torch.randn(WORLD * TOKENS, D_IN, generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(WORLD * TOKENS, D_IN, generator=g).to(device),
+             torch.randn(WORLD * TOKENS, D_IN, generator=g).to(device)) for _ in range(STEPS)]
 
 
 def _shard(t, rank):
@@ -91,21 +109,21 @@ def _loss(y, target):
     return (y.float() - target).square().mean()
 
 
-def _emulate(param_dtype=None, steps=STEPS):
+def _emulate(param_dtype=None, steps=STEPS, device="cpu"):
     """Data parallelism in one process: one replica per rank (its own SR stream, sr_rank = r),
     each step every replica's gradient on its shard, their mean (fp32, as DDP's and FSDP2's
     reductions of two ranks compute it) given to every replica, an AdamW step each.
     ``param_dtype``: run forward/backward on parameters (and inputs) cast to it, as FSDP2's
     MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) does.
-    Returns (losses[step][rank], final state dict of replica 0)."""
-    replicas = [_model() for _ in range(WORLD)]
+    Returns (losses[step][rank], final state dict of replica 0), on ``device``."""
+    replicas = [_model(device) for _ in range(WORLD)]
     for r, m in enumerate(replicas):
         for layer in m.modules():
             if isinstance(layer, NVFP4Linear):
                 layer.sr_rank = r
     opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in replicas]
     losses = []
-    for x, t in _batches()[:steps]:
+    for x, t in _batches(device)[:steps]:
         step_losses, grads = [], []
         for r, m in enumerate(replicas):
             xr = _shard(x, r)
@@ -131,7 +149,12 @@ def _emulate(param_dtype=None, steps=STEPS):
 def _assert_state_equal(got, want):
     assert got.keys() == want.keys()
     for k in want:
-        assert torch.equal(got[k].float(), want[k].float()), k
+        assert torch.equal(got[k].float().cpu(), want[k].float().cpu()), k
+
+
+def _load(path):
+    """What a worker saved, on the CPU."""
+    return torch.load(path, map_location="cpu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,16 +293,16 @@ def test_amax_reduce_quantizes_a_row_shard_as_the_whole_tensor(backend, where, s
 # ------------------------------------------------------------------------------------------------
 # DDP
 # ------------------------------------------------------------------------------------------------
-def _ddp_worker(rank, world, out):
+def _ddp_worker(rank, world, device, out):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _model()
+    model = _model(device)
     assert set_sr_rank(model) == rank
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, t in _batches():
+        for x, t in _batches(device):
             loss = _loss(ddp(_shard(x, rank)), _shard(t, rank))
             loss.backward()
             opt.step()
@@ -289,11 +312,12 @@ def _ddp_worker(rank, world, out):
                 "warnings": [str(w.message) for w in caught]}, out / f"ddp{rank}.pt")
 
 
-def test_ddp_matches_single_process_emulation_bit_for_bit(tmp_path):
-    spawn(_ddp_worker, tmp_path)
-    losses, state = _emulate()
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddp_matches_single_process_emulation_bit_for_bit(tmp_path, device):
+    spawn(_ddp_worker, tmp_path, device=device)
+    losses, state = _emulate(device=device)
     for rank in range(WORLD):
-        got = torch.load(tmp_path / f"ddp{rank}.pt")
+        got = _load(tmp_path / f"ddp{rank}.pt")
         assert got["warnings"] == []
         assert [float(loss) for loss in got["losses"]] == [float(s[rank]) for s in losses]
         _assert_state_equal(got["state"], state)
@@ -302,19 +326,21 @@ def test_ddp_matches_single_process_emulation_bit_for_bit(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # FSDP2 (meta-device init, bf16 parameters, fp32 reduction) and DCP
 # ------------------------------------------------------------------------------------------------
-def _fsdp_model(full_state):
+def _fsdp_model(full_state, device):
     """The MLP built on the meta device, quantized, sharded with fully_shard (bf16 parameters,
-    fp32 gradient reduction), materialized, loaded from ``full_state``; also the buffers it had
-    right after ``to_empty``."""
+    fp32 gradient reduction), materialized on ``device``, loaded from ``full_state``; also the
+    buffers it had right after ``to_empty``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = _model(device="meta")
     set_sr_rank(model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    model.to_empty(device="cpu")
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
     fresh = {k: v.clone() for k, v in model.named_buffers()}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
     return model, fresh
@@ -331,22 +357,22 @@ def _fsdp_steps(model, opt, rank, batches):
     return losses
 
 
-def _fsdp_worker(rank, world, out):
+def _fsdp_worker(rank, world, device, out):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
     full = StateDictOptions(full_state_dict=True)
-    init = _model().state_dict()
-    model, fresh = _fsdp_model(init)
+    init = _model(device).state_dict()
+    model, fresh = _fsdp_model(init, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    batches = _batches()
+    batches = _batches(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = _fsdp_steps(model, opt, rank, batches[:-1])
     trained = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=out / "ckpt")
     # a new meta-initialized FSDP2 model loads the sharded checkpoint; both then take one more step
-    other, _ = _fsdp_model(init)
+    other, _ = _fsdp_model(init, device)
     state = {"model": get_model_state_dict(other)}
     dcp.load(state, checkpoint_id=out / "ckpt")
     set_model_state_dict(other, state["model"])
@@ -358,19 +384,20 @@ def _fsdp_worker(rank, world, out):
                out / f"fsdp{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=DEVICES)
+def fsdp_run(request, tmp_path_factory):
+    """(checkpoint folder, what each rank saved, device) of one FSDP2 run."""
     out = tmp_path_factory.mktemp("fsdp")
-    spawn(_fsdp_worker, out)
-    return out, [torch.load(out / f"fsdp{r}.pt") for r in range(WORLD)]
+    spawn(_fsdp_worker, out, device=request.param)
+    return out, [_load(out / f"fsdp{r}.pt") for r in range(WORLD)], request.param
 
 
 def test_fsdp2_meta_init_matches_single_process_emulation_bit_for_bit(fsdp_run):
     """fully_shard on a model quantized on the meta device, bf16 parameters and fp32 gradient
     reduction: losses and the trained fp32 master weights equal the emulation's (forward and
     backward on bf16 casts of the parameters, gradients cast to fp32 and averaged)."""
-    _, runs = fsdp_run
-    losses, state = _emulate(param_dtype=torch.bfloat16, steps=STEPS - 1)
+    _, runs, device = fsdp_run
+    losses, state = _emulate(param_dtype=torch.bfloat16, steps=STEPS - 1, device=device)
     meta_built = _model()
     for rank, got in enumerate(runs):
         # to_empty gave the recipe buffers a new layer's values, not uninitialized memory
@@ -382,14 +409,14 @@ def test_fsdp2_meta_init_matches_single_process_emulation_bit_for_bit(fsdp_run):
 
 def test_fsdp2_training_raises_no_warning(fsdp_run):
     """In particular not FSDP2's 'returned a view tensor': the layer's output is not a view."""
-    _, runs = fsdp_run
+    _, runs, _ = fsdp_run
     assert [w for run in runs for w in run["warnings"]] == []
 
 
 def test_dcp_round_trip_of_a_sharded_quantized_model(fsdp_run):
     """A new meta-initialized FSDP2 model loading the DCP checkpoint holds the same weights and
     recipe buffers (sr_step included) and takes the same next step, bit for bit."""
-    _, runs = fsdp_run
+    _, runs, _ = fsdp_run
     for got in runs:
         _assert_state_equal(got["reloaded"], got["trained"])
         assert int(got["reloaded"]["0.sr_step"]) == STEPS - 1
@@ -402,7 +429,7 @@ def test_dcp_checkpoint_loads_into_a_plain_bf16_model(fsdp_run):
     nn.Sequential in bf16: its weights are the bf16 roundings of the trained fp32 masters (the
     recipe buffers in the checkpoint are simply not asked for)."""
     import torch.distributed.checkpoint as dcp
-    out, runs = fsdp_run
+    out, runs, _ = fsdp_run
     plain = nn.Sequential(nn.Linear(D_IN, D_HID), nn.GELU(), nn.Linear(D_HID, D_IN)).bfloat16()
     state = {"model": plain.state_dict()}
     dcp.load(state, checkpoint_id=out / "ckpt", no_dist=True)
@@ -420,17 +447,17 @@ TP_RECIPES = {"rn": dict(stochastic_rounding=False),
               "sr": {}}
 
 
-def _tp_worker(rank, world, out):
+def _tp_worker(rank, world, device, out):
     """fc1 ColwiseParallel, fc2 RowwiseParallel, against the unsharded model on the same input."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     results = {}
     g = torch.Generator().manual_seed(2)
-    x, dy = torch.randn(2, TOKENS, D_IN, generator=g), torch.randn(2, TOKENS, D_IN, generator=g)
+    x, dy = (torch.randn(2, TOKENS, D_IN, generator=g).to(device) for _ in range(2))
     for name, fields in TP_RECIPES.items():
-        ref = _model(recipe=nr.NVFP4Recipe(**fields))
+        ref = _model(device, recipe=nr.NVFP4Recipe(**fields))
         tp = parallelize_module(copy.deepcopy(ref), mesh, plan)
         res = {}
         for key, model in (("ref", ref), ("tp", tp)):
@@ -443,11 +470,11 @@ def _tp_worker(rank, world, out):
             res[key] = {"y": y.detach().clone(), "dx": xi.grad, "dh": h.grad,
                         **{k: v.full_tensor() if key == "tp" else v for k, v in grads.items()}}
         if name == "sr":
-            res["key"] = sr_key(ref[0].sr_seed, torch.tensor(0))
+            res["key"] = sr_key(ref[0].sr_seed, torch.tensor(0, device=device))
             res["w1"] = ref[0].weight.detach()
         results[name] = res
     errors = {}
-    narrow = parallelize_module(NVFP4Linear(D_IN, 48), mesh, ColwiseParallel())
+    narrow = parallelize_module(NVFP4Linear(D_IN, 48).to(device), mesh, ColwiseParallel())
     for case, call in (("narrow", lambda: narrow(x)),
                        ("plain_input", lambda: tp[0].forward(x))):
         try:
@@ -458,11 +485,11 @@ def _tp_worker(rank, world, out):
         torch.save({"results": results, "errors": errors}, out / "tp.pt")
 
 
-@pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=DEVICES)
+def tp_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    spawn(_tp_worker, out)
-    return torch.load(out / "tp.pt")
+    spawn(_tp_worker, out, device=request.param)
+    return _load(out / "tp.pt")
 
 
 def _rel(a, b):
@@ -518,7 +545,7 @@ def test_tensor_parallel_refuses_shards_of_partial_blocks_and_plain_inputs(tp_ru
     assert errors["plain_input"].startswith("TypeError") and "DTensor input" in errors["plain_input"]
 
 
-def _fsdp_tp_worker(rank, world, out):
+def _fsdp_tp_worker(rank, world, device, out):
     """2 x 2 mesh: fully_shard over "dp", fc1 ColwiseParallel and fc2 RowwiseParallel over "tp";
     SR ranks from the "dp" dimension; one backward of dp rank r's shard of a global batch with a
     given output gradient (a loss of the output would differ from the unsharded one's by the
@@ -547,7 +574,7 @@ def test_fsdp2_over_tensor_parallel_2d_mesh_matches_data_parallel_emulation(tmp_
     gradients are the single-process emulation's (one unsharded replica per data-parallel rank),
     bit for bit: tensor parallelism computes them without partial sums (see above)."""
     spawn(_fsdp_tp_worker, tmp_path, world=4)
-    got = torch.load(tmp_path / "fsdp_tp.pt")
+    got = _load(tmp_path / "fsdp_tp.pt")
     replicas = [_model() for _ in range(WORLD)]
     x, dy = _batches()[0]
     for r, m in enumerate(replicas):
