@@ -1,12 +1,22 @@
-"""NVFP4Linear's two steps as torch custom ops, so that torch.compile sees them as opaque nodes.
+"""NVFP4Linear's two steps as torch operators, so that torch.compile traces the layer without graph
+breaks whatever the backend.
 
-``linear.linear_fprop`` and ``linear.linear_grads`` (the layer's algorithm) run inside
-``nvfp4_recipe::linear_fprop`` and ``nvfp4_recipe::linear_grads``, whose arguments are tensors and
-plain bools/floats/strings (the recipe's fields), and whose fake implementations give the output
-shapes, so ``torch.compile(fullgraph=True)`` traces NVFP4Linear without graph breaks whatever the
-backend, and CUDA graphs capture the same kernels as eager. :func:`fprop` and :func:`grads` are
-what the layer calls: the custom op while torch.compile traces, the functions directly in eager
-mode, where a custom op's dispatch would add its host cost to every call of a small layer.
+``linear.linear_fprop`` and ``linear.linear_grads`` (the layer's algorithm) run inside operators
+whose arguments are tensors and plain bools/floats/strings (the recipe's fields):
+
+- with the Triton backend on a GPU, ``nvfp4_recipe::linear_fprop_triton`` and
+  ``linear_grads_triton``, registered with ``torch.library.triton_op``: torch.compile traces their
+  bodies, the kernels' launches are recorded with ``wrap_triton`` (``kernels.runtime.Launcher``),
+  and Inductor compiles, tunes and launches the same Triton kernels from its own generated code,
+  with its buffer reuse and fusion of the elementwise work around them, and without this package's
+  Python on the hot path (the GEMM goes through cuBLAS there, see ``kernels.gemm.scaled_mm``);
+- with any other backend, or under the Triton interpreter (whose kernels cannot be recorded),
+  ``nvfp4_recipe::linear_fprop`` and ``linear_grads``, opaque ``torch.library.custom_op``
+  operators with fake implementations that give the output shapes.
+
+:func:`fprop` and :func:`grads` are what the layer calls: an operator while torch.compile traces,
+the functions directly in eager mode, where an operator's dispatch would add its host cost to every
+call of a small layer.
 """
 
 import functools
@@ -18,6 +28,7 @@ from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
+from .kernels.runtime import interpreting, tracing
 from .spec import Block
 
 
@@ -39,7 +50,11 @@ def _fields(recipe: NVFP4Recipe) -> Tuple:
 
 def _codes(*ops: Optional[NVFP4Operand]) -> List[torch.Tensor]:
     """The code tensors of ``ops`` in order; one sharing storage with an earlier one (a shared outer
-    scale, a transpose that is a view) is cloned, since custom-op outputs may not alias each other."""
+    scale, a transpose that is a view) is cloned, since operator outputs may not alias each other.
+    (While torch.compile traces a triton_op's body there is no storage to compare, and the traced
+    graph tracks aliasing itself.)"""
+    if tracing():
+        return [t for op in ops if op is not None for t in op[:3]]
     out, seen = [], set()
     for t in (t for op in ops if op is not None for t in op[:3]):
         ptr = t.untyped_storage().data_ptr()
@@ -55,8 +70,7 @@ def _empty_codes(rows: int, k: int, block: Block, per_token: bool, like: torch.T
             like.new_empty((rows,) if per_token else (), dtype=torch.float32)]
 
 
-@torch.library.custom_op("nvfp4_recipe::linear_fprop", mutates_args=())
-def _fprop_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def _fprop_body(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               signs: torch.Tensor, weight_2d: bool, per_token: bool, rht: bool, sr: bool,
               amax_x: Optional[float], amax_dy: Optional[float], out_dtype: torch.dtype,
               need_wt: bool, need_xt: bool, backend: str) -> List[torch.Tensor]:
@@ -67,9 +81,8 @@ def _fprop_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return [y] + _codes(wt, xt)
 
 
-@_fprop_op.register_fake
-def _(x, weight, bias, signs, weight_2d, per_token, rht, sr, amax_x, amax_dy, out_dtype, need_wt,
-      need_xt, backend):
+def _fprop_fake(x, weight, bias, signs, weight_2d, per_token, rht, sr, amax_x, amax_dy, out_dtype,
+                need_wt, need_xt, backend):
     (m, k), n = x.shape, weight.shape[0]
     out = [x.new_empty((m, n), dtype=out_dtype)]
     if need_wt:
@@ -79,8 +92,7 @@ def _(x, weight, bias, signs, weight_2d, per_token, rht, sr, amax_x, amax_dy, ou
     return out
 
 
-@torch.library.custom_op("nvfp4_recipe::linear_grads", mutates_args=())
-def _grads_op(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor], wt_scale: Optional[torch.Tensor],
+def _grads_body(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor], wt_scale: Optional[torch.Tensor],
               wt_outer: Optional[torch.Tensor], xt_qdata: Optional[torch.Tensor],
               xt_scale: Optional[torch.Tensor], xt_outer: Optional[torch.Tensor],
               signs: torch.Tensor, seed: torch.Tensor, weight_2d: bool, per_token: bool, rht: bool,
@@ -96,9 +108,8 @@ def _grads_op(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor], wt_scale: Opti
     return [t for t in (dx, dw) if t is not None]
 
 
-@_grads_op.register_fake
-def _(dy, wt_qdata, wt_scale, wt_outer, xt_qdata, xt_scale, xt_outer, signs, seed, weight_2d,
-      per_token, rht, sr, amax_x, amax_dy, dx_dtype, dw_dtype, backend):
+def _grads_fake(dy, wt_qdata, wt_scale, wt_outer, xt_qdata, xt_scale, xt_outer, signs, seed,
+                weight_2d, per_token, rht, sr, amax_x, amax_dy, dx_dtype, dw_dtype, backend):
     m, n = dy.shape
     out = []
     if wt_qdata is not None:  # W^T is (K, N)
@@ -108,6 +119,28 @@ def _(dy, wt_qdata, wt_scale, wt_outer, xt_qdata, xt_scale, xt_outer, signs, see
     return out
 
 
+def _opaque(name: str, body, fake):
+    """``body`` as the custom op ``nvfp4_recipe::name`` with the fake implementation ``fake``."""
+    op = torch.library.custom_op(f"nvfp4_recipe::{name}", body, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+_fprop_op = _opaque("linear_fprop", _fprop_body, _fprop_fake)
+_grads_op = _opaque("linear_grads", _grads_body, _grads_fake)
+# triton_op: torch.compile traces the body (its own fake implementation too)
+_fprop_triton_op = torch.library.triton_op("nvfp4_recipe::linear_fprop_triton", _fprop_body,
+                                           mutates_args=())
+_grads_triton_op = torch.library.triton_op("nvfp4_recipe::linear_grads_triton", _grads_body,
+                                           mutates_args=())
+
+
+def _traced(backend: str) -> bool:
+    """Whether torch.compile should trace into the layer's kernels (the Triton backend compiled
+    for a GPU) rather than keep its operator opaque."""
+    return backend == "triton" and not interpreting()
+
+
 def fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool, need_xt: bool,
           backend: str):
     """``linear.linear_fprop`` on the named backend: (Y, W^T or None, X^T or None)."""
@@ -115,7 +148,8 @@ def fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool,
         from .linear import linear_fprop
         return linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs,
                             out_dtype, need_wt, need_xt)
-    t = _fprop_op(x, weight, bias, signs, *_fields(recipe), out_dtype, need_wt, need_xt, backend)
+    op = _fprop_triton_op if _traced(backend) else _fprop_op
+    t = op(x, weight, bias, signs, *_fields(recipe), out_dtype, need_wt, need_xt, backend)
     w_block = Block.D2 if recipe.weight_2d else Block.D1
     wt = NVFP4Operand(*t[1:4], w_block) if need_wt else None
     xt = NVFP4Operand(*t[-3:]) if need_xt else None
@@ -130,6 +164,7 @@ def grads(dy, wt: Optional[NVFP4Operand], xt: Optional[NVFP4Operand], recipe: NV
         return linear_grads(get_backend(backend, dy.device), dy, wt, xt, recipe, signs, seed,
                             dx_dtype, dw_dtype)
     none3 = (None, None, None)
-    t = iter(_grads_op(dy, *(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs, seed,
-                       *_fields(recipe), dx_dtype, dw_dtype, backend))
+    op = _grads_triton_op if _traced(backend) else _grads_op
+    t = iter(op(dy, *(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs, seed,
+                *_fields(recipe), dx_dtype, dw_dtype, backend))
     return (next(t) if wt is not None else None), (next(t) if xt is not None else None)

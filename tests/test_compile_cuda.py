@@ -11,9 +11,9 @@ from nvfp4_recipe import NVFP4Recipe, quantize_
 pytestmark = pytest.mark.cuda
 
 
-def mlp(device):
+def mlp(device, d=256):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(device)
+    model = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)).to(device)
     return quantize_(model, NVFP4Recipe())
 
 
@@ -102,3 +102,23 @@ def test_reduce_overhead_advances_sr_every_step(device):
         seen.append(grads(model)[0])
     assert not torch.equal(seen[-2], seen[-1])
     assert int(model[0].sr_step) == int(ref[0].sr_step) == 4
+
+
+def test_inductor_launches_the_layers_triton_kernels_itself(device):
+    """With the Triton backend the layer's operators are triton_ops: torch.compile traces their
+    bodies, so Inductor's generated code launches the quantize and epilogue kernels itself, forward
+    and backward, with no call back into an opaque nvfp4_recipe operator. At this size eager mode
+    multiplies with the TMA GEMM kernel, which a traced layer replaces by cuBLAS (see
+    ``gemm.scaled_mm``): the gradients agree to the bound of test_compiled_step_matches_eager."""
+    from torch._inductor.utils import run_and_get_code
+    model = mlp(device, d=1024)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4096, 1024, device=device, dtype=torch.bfloat16)
+    _, code = run_and_get_code(step_both, compiled, model, ref, x)
+    code = "\n".join(code)
+    assert "nvfp4_recipe.linear" not in code
+    for kernel in ("_quantize_1d_kernel", "_quantize_2d_kernel", "_epilogue_kernel"):
+        assert kernel in code, kernel
+    for a, b in zip(grads(model), grads(ref)):
+        assert float((a - b).norm() / b.norm()) < 2e-3

@@ -4,7 +4,7 @@
 magnitudes 0 or 2**-10 .. 2688), so the GEMMs (``kernels.gemm``) take 16-bit inner values and lose
 nothing. On GPUs with E4M3 conversion (sm89+) a code (s e1 e0 m) becomes the E4M3 byte
 (s 0 0 e1 e0 m 0 0), worth value * 2**-6, which the hardware converts to fp16 in pairs; one fp16
-multiply by block scale * 64 finishes it (:data:`_DEQUANT_PTX`, about 2 instructions a value).
+multiply by block scale * 64 finishes it (:func:`_dequant_ptx`, about 2 instructions a value).
 Elsewhere (and under the interpreter, which runs no inline PTX) the portable path builds the fp32
 bits of each code. The tile helpers are shared with the quantize kernel that dequantizes another
 operand in the same pass (``kernels.quantize.quantize_1d(dequantize=...)``).
@@ -36,7 +36,14 @@ def _e2m1_to_f32(code):
     return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-_DEQUANT_PTX = tl.constexpr("""
+@triton.jit
+def _dequant_ptx(q, s, ROWS: tl.constexpr, H: tl.constexpr):
+    """(lo, hi) fp16 (ROWS, H) from packed bytes q (ROWS, H) and fp32 scales s (ROWS, H // 8)."""
+    s64 = tl.reshape(tl.broadcast_to((s * 64.0).to(tl.float16)[:, :, None], (ROWS, H // 8, 8)),
+                     (ROWS, H))
+    # the PTX is a literal here, not a global constexpr: torch.compile copies this function's
+    # source into Inductor's code, and a multi-line global string does not survive that copy
+    return tl.inline_asm_elementwise("""
 {
 .reg .b32 a, b, lo, hi;
 .reg .b16 l0, l1, h0, h1;
@@ -60,15 +67,7 @@ mul.rn.f16x2 $1, $1, $6;
 mul.rn.f16x2 $2, $2, $5;
 mul.rn.f16x2 $3, $3, $6;
 }
-""")
-
-
-@triton.jit
-def _dequant_ptx(q, s, ROWS: tl.constexpr, H: tl.constexpr):
-    """(lo, hi) fp16 (ROWS, H) from packed bytes q (ROWS, H) and fp32 scales s (ROWS, H // 8)."""
-    s64 = tl.reshape(tl.broadcast_to((s * 64.0).to(tl.float16)[:, :, None], (ROWS, H // 8, 8)),
-                     (ROWS, H))
-    return tl.inline_asm_elementwise(_DEQUANT_PTX, "=r,=r,=r,=r,r,r,r", [q, s64],
+""", "=r,=r,=r,=r,r,r,r", [q, s64],
                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 

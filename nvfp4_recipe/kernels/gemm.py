@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..operand import NVFP4Operand
 from .dequantize import BLOCK, check_codes, check_outer, dequantize_inner
-from .runtime import Launcher, capability, check_runnable, interpreting, num_sms
+from .runtime import Launcher, capability, check_runnable, interpreting, num_sms, tracing
 
 METHODS = ("triton", "cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -302,6 +302,10 @@ def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] 
         method = default_method(a.rows, b.rows, a.k, a.device)
     if method not in METHODS:
         raise ValueError(f"method must be 'auto' or one of {METHODS}, got {method!r}")
+    if method == "triton" and tracing():
+        # torch.compile records launches outside Dynamo without their host TMA descriptors
+        # (torch's wrap_triton), so a traced layer multiplies through cuBLAS
+        method = "cublas"
     check_runnable(a.device)
     if a.rows == 0 or b.rows == 0 or a.k == 0:
         return _empty_product(a.outer_scale, b.outer_scale, a.rows, b.rows, bias, out_dtype)

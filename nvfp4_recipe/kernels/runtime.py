@@ -4,7 +4,9 @@ The interpreter flag (``TRITON_INTERPRET=1``, read once at import as ``triton.ji
 device queries cached per device (the SM count sizes persistent grids; the compute capability picks
 hardware paths), the check that tensors can run the kernels at all, scalar arguments given by value
 or as device pointers, the autotuner's tile pruning, and :class:`Launcher`, which launches a compiled
-kernel with a few microseconds of host time. Imports nothing from the package.
+kernel with a few microseconds of host time, or, while torch.compile traces a ``triton_op`` (``ops.py``),
+records the launch with ``wrap_triton`` so that Inductor calls the kernel itself. Imports nothing from
+the package.
 """
 
 import functools
@@ -15,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from torch.library import wrap_triton
 from triton.runtime.autotuner import Autotuner
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -82,8 +85,20 @@ def prune_wide_tiles(tile_cols):
     return prune
 
 
+def tracing() -> bool:
+    """Whether torch.compile is tracing (a fake or functional tensor mode is active, as while it
+    traces a ``triton_op``'s body): a kernel launch must then be recorded, not run."""
+    return any(torch._C._get_dispatch_mode(key) is not None
+               for key in (torch._C._TorchDispatchModeKey.FUNCTIONAL,
+                           torch._C._TorchDispatchModeKey.FAKE))
+
+
 def scalar(v: Union[int, torch.Tensor], device) -> Tuple[Union[int, torch.Tensor], bool]:
-    """A seed/offset as a kernel argument: an int by value, a tensor as a device pointer."""
+    """A seed/offset as a kernel argument: an int by value, a tensor as a device pointer. While
+    torch.compile traces, an int beyond int32 (the wgrad SR offset 2**31) also becomes a device
+    scalar: Inductor (torch 2.11) fails on such a constant argument of a user kernel."""
+    if isinstance(v, int) and not -2**31 <= v < 2**31 and tracing():
+        v = torch.tensor(v, dtype=torch.int64, device=device)
     if isinstance(v, torch.Tensor):
         if v.numel() != 1 or v.dtype.is_floating_point:
             raise TypeError(f"seeds and offsets must be ints or one-element integer tensors, got {v}")
@@ -136,7 +151,8 @@ class Launcher:
     cached binary is only reused where Triton would reuse it. This skips Triton's per-launch argument
     binding and the autotuner's dispatch, the bulk of a small layer's host time. ``grid`` is a tuple
     or a function of the config's meta-parameters. Under the interpreter every launch goes through
-    Triton. Positional arguments are the kernel's leading parameters; keyword arguments are
+    Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then compiles, tunes and
+    launches the kernel from its own code). Positional arguments are the kernel's leading parameters; keyword arguments are
     constexprs or launch options (``num_warps``).
     """
 
@@ -153,6 +169,8 @@ class Launcher:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
+        if tracing():
+            return wrap_triton(self.kernel)[grid](*args, **kwargs)
         if interpreting():
             return self.kernel[grid](*args, **kwargs)
         key = (tuple(map(_arg_key, args)), tuple(args[i] for i in self._exact if i < len(args)),
