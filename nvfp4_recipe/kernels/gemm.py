@@ -201,6 +201,21 @@ def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tenso
     return out.to(out_dtype)
 
 
+@torch.library.custom_op("nvfp4_recipe::triton_mm", mutates_args=())
+def _triton_mm_op(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
+                  b_outer: torch.Tensor, bias: Optional[torch.Tensor],
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`triton_mm` as an opaque operator, what a traced layer records for it: torch.compile
+    records the launches of a traced ``triton_op`` (``ops.py``) with ``wrap_triton``, which outside
+    Dynamo drops host-side TMA descriptors (torch 2.11), so the TMA GEMM is called, not traced."""
+    return triton_mm(a_inner, a_outer, b_inner, b_outer, bias, out_dtype)
+
+
+@_triton_mm_op.register_fake
+def _(a_inner, a_outer, b_inner, b_outer, bias, out_dtype):
+    return a_inner.new_empty((a_inner.shape[0], b_inner.shape[0]), dtype=out_dtype)
+
+
 def mm_f32(a_inner: torch.Tensor, b_inner: torch.Tensor) -> torch.Tensor:
     """A_inner @ B_inner^T in fp32 from 16-bit operands (cuBLAS on CUDA; an fp32 matmul on CPU)."""
     if a_inner.is_cuda:
@@ -302,14 +317,11 @@ def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] 
         method = default_method(a.rows, b.rows, a.k, a.device)
     if method not in METHODS:
         raise ValueError(f"method must be 'auto' or one of {METHODS}, got {method!r}")
-    if method == "triton" and tracing():
-        # torch.compile records launches outside Dynamo without their host TMA descriptors
-        # (torch's wrap_triton), so a traced layer multiplies through cuBLAS
-        method = "cublas"
     check_runnable(a.device)
     if a.rows == 0 or b.rows == 0 or a.k == 0:
         return _empty_product(a.outer_scale, b.outer_scale, a.rows, b.rows, bias, out_dtype)
     a_in, b_in = inner_values(a), inner_values(b)
     if method == "triton":
-        return triton_mm(a_in, a.outer_scale, b_in, b.outer_scale, bias, out_dtype)
+        mm = _triton_mm_op if tracing() else triton_mm
+        return mm(a_in, a.outer_scale, b_in, b.outer_scale, bias, out_dtype)
     return apply_epilogue(mm_f32(a_in, b_in), a.outer_scale, b.outer_scale, bias, out_dtype)
