@@ -27,8 +27,8 @@ import torch
 from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
-from .recipe import NVFP4Recipe
 from .kernels.runtime import interpreting, tracing
+from .recipe import NVFP4Recipe
 from .spec import Block
 
 
@@ -71,9 +71,9 @@ def _empty_codes(rows: int, k: int, block: Block, per_token: bool, like: torch.T
 
 
 def _fprop_body(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              signs: torch.Tensor, weight_2d: bool, per_token: bool, rht: bool, sr: bool,
-              amax_x: Optional[float], amax_dy: Optional[float], out_dtype: torch.dtype,
-              need_wt: bool, need_xt: bool, backend: str) -> List[torch.Tensor]:
+                signs: torch.Tensor, weight_2d: bool, per_token: bool, rht: bool, sr: bool,
+                amax_x: Optional[float], amax_dy: Optional[float], out_dtype: torch.dtype,
+                need_wt: bool, need_xt: bool, backend: str) -> List[torch.Tensor]:
     from .linear import linear_fprop
     recipe = _recipe(weight_2d, per_token, rht, sr, amax_x, amax_dy)
     y, wt, xt = linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs,
@@ -92,12 +92,13 @@ def _fprop_fake(x, weight, bias, signs, weight_2d, per_token, rht, sr, amax_x, a
     return out
 
 
-def _grads_body(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor], wt_scale: Optional[torch.Tensor],
-              wt_outer: Optional[torch.Tensor], xt_qdata: Optional[torch.Tensor],
-              xt_scale: Optional[torch.Tensor], xt_outer: Optional[torch.Tensor],
-              signs: torch.Tensor, seed: torch.Tensor, weight_2d: bool, per_token: bool, rht: bool,
-              sr: bool, amax_x: Optional[float], amax_dy: Optional[float],
-              dx_dtype: torch.dtype, dw_dtype: torch.dtype, backend: str) -> List[torch.Tensor]:
+def _grads_body(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor],
+                wt_scale: Optional[torch.Tensor], wt_outer: Optional[torch.Tensor],
+                xt_qdata: Optional[torch.Tensor], xt_scale: Optional[torch.Tensor],
+                xt_outer: Optional[torch.Tensor], signs: torch.Tensor, seed: torch.Tensor,
+                weight_2d: bool, per_token: bool, rht: bool, sr: bool,
+                amax_x: Optional[float], amax_dy: Optional[float],
+                dx_dtype: torch.dtype, dw_dtype: torch.dtype, backend: str) -> List[torch.Tensor]:
     from .linear import linear_grads
     recipe = _recipe(weight_2d, per_token, rht, sr, amax_x, amax_dy)
     wt = None if wt_qdata is None else NVFP4Operand(wt_qdata, wt_scale, wt_outer,
@@ -135,7 +136,7 @@ _grads_triton_op = torch.library.triton_op("nvfp4_recipe::linear_grads_triton", 
                                            mutates_args=())
 
 
-def _traced(backend: str) -> bool:
+def _kernels_traceable(backend: str) -> bool:
     """Whether torch.compile should trace into the layer's kernels (the Triton backend compiled
     for a GPU) rather than keep its operator opaque."""
     return backend == "triton" and not interpreting()
@@ -148,7 +149,7 @@ def fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool,
         from .linear import linear_fprop
         return linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs,
                             out_dtype, need_wt, need_xt)
-    op = _fprop_triton_op if _traced(backend) else _fprop_op
+    op = _fprop_triton_op if _kernels_traceable(backend) else _fprop_op
     t = op(x, weight, bias, signs, *_fields(recipe), out_dtype, need_wt, need_xt, backend)
     w_block = Block.D2 if recipe.weight_2d else Block.D1
     wt = NVFP4Operand(*t[1:4], w_block) if need_wt else None
@@ -164,7 +165,7 @@ def grads(dy, wt: Optional[NVFP4Operand], xt: Optional[NVFP4Operand], recipe: NV
         return linear_grads(get_backend(backend, dy.device), dy, wt, xt, recipe, signs, seed,
                             dx_dtype, dw_dtype)
     none3 = (None, None, None)
-    op = _grads_triton_op if _traced(backend) else _grads_op
+    op = _grads_triton_op if _kernels_traceable(backend) else _grads_op
     t = iter(op(dy, *(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs, seed,
                 *_fields(recipe), dx_dtype, dw_dtype, backend))
     return (next(t) if wt is not None else None), (next(t) if xt is not None else None)

@@ -4,9 +4,9 @@ The interpreter flag (``TRITON_INTERPRET=1``, read once at import as ``triton.ji
 device queries cached per device (the SM count sizes persistent grids; the compute capability picks
 hardware paths), the check that tensors can run the kernels at all, scalar arguments given by value
 or as device pointers, the autotuner's tile pruning, and :class:`Launcher`, which launches a compiled
-kernel with a few microseconds of host time, or, while torch.compile traces a ``triton_op`` (``ops.py``),
-records the launch with ``wrap_triton`` so that Inductor calls the kernel itself. Imports nothing from
-the package.
+kernel with a few microseconds of host time, or, while torch.compile traces a ``triton_op``
+(``ops.py``), records the launch with ``wrap_triton`` so that Inductor calls the kernel itself.
+Imports nothing from the package.
 """
 
 import functools
@@ -16,8 +16,8 @@ from typing import Callable, Dict, Tuple, Union
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 from torch.library import wrap_triton
+from triton import knobs
 from triton.runtime.autotuner import Autotuner
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,12 +85,16 @@ def prune_wide_tiles(tile_cols):
     return prune
 
 
+_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
 def tracing() -> bool:
     """Whether torch.compile is tracing (a fake or functional tensor mode is active, as while it
-    traces a ``triton_op``'s body): a kernel launch must then be recorded, not run."""
-    return any(torch._C._get_dispatch_mode(key) is not None
-               for key in (torch._C._TorchDispatchModeKey.FUNCTIONAL,
-                           torch._C._TorchDispatchModeKey.FAKE))
+    traces a ``triton_op``'s body): a kernel launch must then be recorded, not run. Asked on every
+    launch, so two C calls and nothing else."""
+    get = torch._C._get_dispatch_mode
+    return get(_FUNCTIONAL) is not None or get(_FAKE) is not None
 
 
 def scalar(v: Union[int, torch.Tensor], device) -> Tuple[Union[int, torch.Tensor], bool]:
@@ -152,8 +156,8 @@ class Launcher:
     binding and the autotuner's dispatch, the bulk of a small layer's host time. ``grid`` is a tuple
     or a function of the config's meta-parameters. Under the interpreter every launch goes through
     Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then compiles, tunes and
-    launches the kernel from its own code). Positional arguments are the kernel's leading parameters; keyword arguments are
-    constexprs or launch options (``num_warps``).
+    launches the kernel from its own code). Positional arguments are the kernel's leading
+    parameters; keyword arguments are constexprs or launch options (``num_warps``).
     """
 
     def __init__(self, kernel):
