@@ -9,7 +9,7 @@ whose arguments are tensors and plain bools/floats/strings (the recipe's fields)
   bodies, the kernels' launches are recorded with ``wrap_triton`` (``kernels.runtime.Launcher``),
   and Inductor compiles, tunes and launches the same Triton kernels from its own generated code,
   with its buffer reuse and fusion of the elementwise work around them, and without this package's
-  Python on the hot path (but for the TMA GEMM, an opaque operator: ``kernels.gemm._triton_mm_op``);
+  Python on the hot path (the TMA GEMM too: it makes its descriptors on the device);
 - with any other backend, or under the Triton interpreter (whose kernels cannot be recorded),
   ``nvfp4_recipe::linear_fprop`` and ``linear_grads``, opaque ``torch.library.custom_op``
   operators with fake implementations that give the output shapes.

@@ -38,3 +38,40 @@ def test_cached_launches_match_the_reference():
             got = quantize_1d(x, row=sp, seed=step, row_offset=16 * step)[0]
         torch.cuda.synchronize()
         assert_same(got, quantize(x, sp, seed=step, offset=16 * step))
+
+
+def test_ensure_allocator_sets_one_per_thread_and_keeps_the_users():
+    """Triton keeps its allocator in a ContextVar: a thread without one (autograd's backward
+    thread) gets the package's, which hands out torch scratch; a user's allocator stays."""
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    from nvfp4_recipe.kernels.runtime import _scratch, ensure_allocator
+
+    def fresh_thread(fn):
+        out = {}
+        t = threading.Thread(target=lambda: out.update(result=fn()))
+        t.start()
+        t.join()
+        return out["result"]
+
+    def set_in_fresh_thread():
+        assert _allocation._allocator.get() is _allocation._NULL_ALLOCATOR
+        ensure_allocator()
+        return _allocation._allocator.get()
+
+    assert fresh_thread(set_in_fresh_thread) is _scratch
+
+    def users_kept():
+        def mine(size, align, stream):
+            return torch.empty(size, dtype=torch.int8)
+        triton.set_allocator(mine)
+        ensure_allocator()
+        return _allocation._allocator.get() is mine
+
+    assert fresh_thread(users_kept)
+    if torch.cuda.is_available():
+        buf = _scratch(384, 128, None)
+        assert buf.numel() == 384 and buf.is_cuda and buf.data_ptr() % 128 == 0

@@ -12,8 +12,8 @@ fp32 accumulation and the final cast to ``out_dtype`` (no bf16 double rounding).
 Methods (``scaled_mm(method=...)``; benchmarks/bench_gemm.py measures them against bf16 ``torch.mm``):
 
 - ``"triton"`` (the default on sm90+ when the output has a tile per SM): a persistent Triton GEMM
-  reads the inner values through TMA descriptors (wgmma, pipelined) and applies the fp32 epilogue to
-  its accumulator.
+  reads the inner values through TMA descriptors it makes on the device (wgmma, pipelined) and
+  applies the fp32 epilogue to its accumulator.
 - ``"cublas"`` (the default before sm90, for small outputs, and under the interpreter): cuBLAS
   ``torch.mm(..., out_dtype=torch.float32)``, then a Triton epilogue pass over the fp32 product.
 
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..operand import NVFP4Operand
 from .dequantize import BLOCK, check_codes, check_outer, dequantize_inner
-from .runtime import Launcher, capability, check_runnable, interpreting, num_sms, tracing
+from .runtime import Launcher, capability, check_runnable, interpreting, num_sms
 
 METHODS = ("triton", "cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -76,15 +76,22 @@ def _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stri
 
 
 @triton.jit(do_not_specialize=["stride_sa", "stride_sb"])
-def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_sa,
+def _gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_sa,
                  stride_sb, stride_o, HAS_BIAS: tl.constexpr, INTERP: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGRAMS: tl.constexpr, EPI_SPLIT: tl.constexpr):
-    """Persistent GEMM over dequantized 16-bit A_inner (M, K) and B_inner (N, K), read through TMA
-    descriptors (blocks [BM, BK] and [BN, BK]; out-of-range reads are zero); fp32 epilogue, in two
-    column halves if EPI_SPLIT == 2 (halves the shared memory its layout change needs). Program i
-    takes tiles i, i + NUM_PROGRAMS, ... (NUM_PROGRAMS: one or two per SM; the grid may be smaller
-    when there are fewer tiles)."""
+    """Persistent GEMM over dequantized 16-bit A_inner (M, K) and B_inner (N, K), contiguous and
+    16-byte aligned, read through TMA descriptors (blocks [BM, BK] and [BN, BK]; out-of-range reads
+    are zero); fp32 epilogue, in two column halves if EPI_SPLIT == 2 (halves the shared memory its
+    layout change needs). Program i takes tiles i, i + NUM_PROGRAMS, ... (NUM_PROGRAMS: one or two
+    per SM; the grid may be smaller when there are fewer tiles).
+
+    The kernel makes its descriptors itself (device-side TMA, 128 bytes of global scratch each per
+    program) rather than taking host-side ones: its arguments are then plain tensors, so
+    torch.compile can trace its launch (``wrap_triton`` outside Dynamo drops host descriptors) and
+    the host builds no descriptor objects."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BN, BK])
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_pid(tile_id, M, N, BM, BN, GROUP_M)
@@ -119,7 +126,7 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
               stride_o, HAS_BIAS)
 
 
-_GEMM, _EPILOGUE = Launcher(_gemm_kernel), Launcher(_epilogue_kernel)
+_GEMM, _EPILOGUE = Launcher(_gemm_kernel, scratch=True), Launcher(_epilogue_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,37 +190,18 @@ def _epilogue_args(a_outer: torch.Tensor, b_outer: torch.Tensor, bias: Optional[
 
 def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
               b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict] = None) -> torch.Tensor:
-    """The "triton" method on 16-bit inner values: the persistent TMA GEMM with its fp32
-    epilogue (sm90+, or the interpreter). ``cfg``: a tile config (benchmarks)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    """The "triton" method on contiguous 16-bit inner values: the persistent TMA GEMM with its
+    fp32 epilogue (sm90+, or the interpreter). ``cfg``: a tile config (benchmarks)."""
     (m, k), n = a_inner.shape, b_inner.shape[0]
     cfg = dict(cfg or gemm_config(k, out_dtype))
     programs = num_sms(a_inner.device) * cfg.pop("P", 1)
     out = _kernel_out(m, n, out_dtype, a_inner.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
-    a_desc = TensorDescriptor.from_tensor(a_inner, [cfg["BM"], cfg["BK"]])
-    b_desc = TensorDescriptor.from_tensor(b_inner, [cfg["BN"], cfg["BK"]])
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     LAST_KERNEL["triton"] = _GEMM[(min(programs, tiles),)](
-        a_desc, b_desc, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
+        a_inner, b_inner, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
         NUM_PROGRAMS=programs, **flags, **cfg)
     return out.to(out_dtype)
-
-
-@torch.library.custom_op("nvfp4_recipe::triton_mm", mutates_args=())
-def _triton_mm_op(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
-                  b_outer: torch.Tensor, bias: Optional[torch.Tensor],
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`triton_mm` as an opaque operator, what a traced layer records for it: torch.compile
-    records the launches of a traced ``triton_op`` (``ops.py``) with ``wrap_triton``, which outside
-    Dynamo drops host-side TMA descriptors (torch 2.11), so the TMA GEMM is called, not traced."""
-    return triton_mm(a_inner, a_outer, b_inner, b_outer, bias, out_dtype)
-
-
-@_triton_mm_op.register_fake
-def _(a_inner, a_outer, b_inner, b_outer, bias, out_dtype):
-    return a_inner.new_empty((a_inner.shape[0], b_inner.shape[0]), dtype=out_dtype)
 
 
 def mm_f32(a_inner: torch.Tensor, b_inner: torch.Tensor) -> torch.Tensor:
@@ -322,6 +310,5 @@ def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] 
         return _empty_product(a.outer_scale, b.outer_scale, a.rows, b.rows, bias, out_dtype)
     a_in, b_in = inner_values(a), inner_values(b)
     if method == "triton":
-        mm = _triton_mm_op if tracing() else triton_mm
-        return mm(a_in, a.outer_scale, b_in, b.outer_scale, bias, out_dtype)
+        return triton_mm(a_in, a.outer_scale, b_in, b.outer_scale, bias, out_dtype)
     return apply_epilogue(mm_f32(a_in, b_in), a.outer_scale, b.outer_scale, bias, out_dtype)

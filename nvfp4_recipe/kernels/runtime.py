@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 from triton import knobs
+from triton.runtime import _allocation
 from triton.runtime.autotuner import Autotuner
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,7 +123,7 @@ def scalar_arg(arg, IS_PTR: tl.constexpr):
 def _arg_key(v):
     """What Triton specializes a kernel on for one runtime argument: a tensor's dtype, 16-byte
     alignment and device (binaries are per device); an int's being 1, a multiple of 16 and its
-    width; a float's type; a TensorDescriptor's dtype and block shape; anything else itself."""
+    width; a float's type; anything else itself."""
     if isinstance(v, torch.Tensor):
         return v.dtype, v.data_ptr() % 16 == 0, v.get_device()
     if isinstance(v, bool):
@@ -131,10 +132,22 @@ def _arg_key(v):
         return v == 1, v % 16 == 0, -2**31 <= v < 2**31
     if isinstance(v, float):
         return float
-    block_shape = getattr(v, "block_shape", None)
-    if block_shape is not None:
-        return v.base.dtype, tuple(block_shape)
     return v
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """A Triton allocator: ``size`` bytes of global scratch from torch's caching allocator on the
+    current device (stream-ordered on the current stream, as the launch is; the 256-byte alignment
+    of its blocks covers the 128 bytes a TMA descriptor needs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for kernels that need global scratch (device-side TMA descriptors)
+    unless one is set. Triton keeps it in a ContextVar, so each thread needs its own (autograd runs
+    CUDA backward passes on its own thread); a user's allocator is kept."""
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
 
 
 def _launch_hooks() -> bool:
@@ -157,11 +170,14 @@ class Launcher:
     or a function of the config's meta-parameters. Under the interpreter every launch goes through
     Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then compiles, tunes and
     launches the kernel from its own code). Positional arguments are the kernel's leading
-    parameters; keyword arguments are constexprs or launch options (``num_warps``).
+    parameters; keyword arguments are constexprs or launch options (``num_warps``). ``scratch``:
+    the kernel needs global scratch (it makes TMA descriptors), so Triton must have an allocator
+    (:func:`ensure_allocator`; Inductor sets its own for the launches it records).
     """
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, scratch: bool = False):
         self.kernel = kernel
+        self._needs_scratch = scratch
         self._cache: Dict[tuple, tuple] = {}
         if not interpreting():  # the interpreter's kernels have no parameter list to read
             jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
@@ -177,6 +193,8 @@ class Launcher:
             return wrap_triton(self.kernel)[grid](*args, **kwargs)
         if interpreting():
             return self.kernel[grid](*args, **kwargs)
+        if self._needs_scratch:
+            ensure_allocator()
         key = (tuple(map(_arg_key, args)), tuple(args[i] for i in self._exact if i < len(args)),
                tuple(kwargs.items()))
         hit = self._cache.get(key)
