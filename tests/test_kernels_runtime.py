@@ -5,22 +5,47 @@ import pytest
 import torch
 
 from nvfp4_recipe.kernels.quantize import quantize_1d
-from nvfp4_recipe.kernels.runtime import _arg_key
+from nvfp4_recipe.kernels.runtime import launch_key
 from nvfp4_recipe.reference import quantize
 
 from nvfp4_cases import assert_same, spec
 
 
-def test_arg_key_separates_what_triton_specializes_on():
+def test_launch_key_separates_what_triton_specializes_on():
+    def key(*args, **kwargs):
+        return launch_key(args, kwargs)
+
     base = torch.zeros(64, dtype=torch.float32)
-    assert _arg_key(base) == _arg_key(torch.ones(64))
-    assert _arg_key(base) != _arg_key(base[1:])  # 16-byte alignment
-    assert _arg_key(base) != _arg_key(base.half())
-    assert _arg_key(1) != _arg_key(2) != _arg_key(16)
-    assert _arg_key(16) == _arg_key(32)
-    assert _arg_key(2**31) != _arg_key(2**31 - 16)  # int64 vs int32 argument
-    assert _arg_key(True) != _arg_key(False)
-    assert _arg_key(0.5) == _arg_key(2.0)
+    assert key(base, 7) == key(torch.ones(64), 7)  # other data, same specialization
+    assert key(base) != key(base[1:])  # 16-byte alignment
+    assert key(base) != key(base.half())
+    assert key(1) != key(2) != key(16) != key(32)  # scalars by value
+    assert key(2**31) != key(2**31 - 16)
+    assert key(True) != key(1) != key(1.0)  # and by type (equal values hash alike)
+    assert key(0.5) != key(2.0)
+    assert key(base, BLOCK=16) != key(base, BLOCK=32) != key(base)
+
+
+def test_launch_cache_is_bounded(monkeypatch):
+    """A launch per new scalar value (a from_hp seed changing on every call) must not grow the
+    cache without end."""
+    from nvfp4_recipe.kernels import runtime
+
+    launcher = runtime.Launcher.__new__(runtime.Launcher)
+    launcher._cache, launcher._names = {}, ["x_ptr", "seed"]
+    launcher.kernel = _FakeKernel()
+    monkeypatch.setattr(runtime.Launcher, "MAX_KEYS", 8)
+    for seed in range(20):
+        launcher._first_launch(launch_key((torch.zeros(4), seed), {}), (1,),
+                               (torch.zeros(4), seed), {})
+        assert len(launcher._cache) <= 8
+
+
+class _FakeKernel:
+    """A kernel whose launch returns an object shaped like a compiled kernel (no GPU needed)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: type("Compiled", (), {"run": None})()
 
 
 @pytest.mark.cuda

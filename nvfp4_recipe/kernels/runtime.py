@@ -120,19 +120,15 @@ def scalar_arg(arg, IS_PTR: tl.constexpr):
         return arg
 
 
-def _arg_key(v):
-    """What Triton specializes a kernel on for one runtime argument: a tensor's dtype, 16-byte
-    alignment and device (binaries are per device); an int's being 1, a multiple of 16 and its
-    width; a float's type; anything else itself."""
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() % 16 == 0, v.get_device()
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int):
-        return v == 1, v % 16 == 0, -2**31 <= v < 2**31
-    if isinstance(v, float):
-        return float
-    return v
+def launch_key(args: tuple, kwargs: dict) -> tuple:
+    """The :class:`Launcher` cache key of a launch: per tensor argument its dtype, 16-byte alignment
+    and device (what Triton specializes a binary on; binaries are per device), every other
+    argument by type and value (finer than Triton's specialization of ints, which also makes an
+    autotuner's key arguments exact), then the keyword constexprs. One comprehension: it runs on
+    every launch."""
+    key = tuple([(a.dtype, a.data_ptr() % 16 == 0, a.get_device()) if isinstance(a, torch.Tensor)
+                 else (type(a), a) for a in args])
+    return key + tuple(kwargs.items()) if kwargs else key
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -163,9 +159,10 @@ class Launcher:
     ``Launcher(kernel)[grid](*args, **constexprs)`` launches like ``kernel[grid](...)``: the first
     launch for a key goes through Triton (compiling and, for an autotuned kernel, tuning), and keeps
     the compiled kernel and the chosen config; later launches with the same key call the compiled
-    kernel directly. The key is what Triton specializes on (:func:`_arg_key` of each positional
-    argument, the keyword constexprs) plus the exact values of an autotuner's key arguments, so a
-    cached binary is only reused where Triton would reuse it. This skips Triton's per-launch argument
+    kernel directly. The key (:func:`launch_key`) is at least as fine as what Triton specializes
+    on and what an autotuner tunes on, so a cached binary is only reused where Triton would reuse
+    it; the cache is emptied when it reaches ``MAX_KEYS`` keys (scalars keyed by value, such as a
+    from_hp seed that changes on every call, would grow it without end). This skips Triton's per-launch argument
     binding and the autotuner's dispatch, the bulk of a small layer's host time. ``grid`` is a tuple
     or a function of the config's meta-parameters. Under the interpreter every launch goes through
     Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then compiles, tunes and
@@ -175,6 +172,8 @@ class Launcher:
     (:func:`ensure_allocator`; Inductor sets its own for the launches it records).
     """
 
+    MAX_KEYS = 4096
+
     def __init__(self, kernel, scratch: bool = False):
         self.kernel = kernel
         self._needs_scratch = scratch
@@ -182,8 +181,6 @@ class Launcher:
         if not interpreting():  # the interpreter's kernels have no parameter list to read
             jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
             self._names = [p.name for p in jit.params]
-            tuned = set(getattr(kernel, "keys", ()))
-            self._exact = [i for i, name in enumerate(self._names) if name in tuned]
 
     def __getitem__(self, grid) -> Callable:
         return functools.partial(self._launch, grid)
@@ -195,8 +192,7 @@ class Launcher:
             return self.kernel[grid](*args, **kwargs)
         if self._needs_scratch:
             ensure_allocator()
-        key = (tuple(map(_arg_key, args)), tuple(args[i] for i in self._exact if i < len(args)),
-               tuple(kwargs.items()))
+        key = launch_key(args, kwargs)
         hit = self._cache.get(key)
         if hit is None or _launch_hooks():  # profilers (proton) see launches through Triton
             return self._first_launch(key, grid, args, kwargs)
@@ -219,5 +215,7 @@ class Launcher:
         tail = tuple(values[name] for name in self._names[len(args):])
         device = next(a.get_device() for a in args if isinstance(a, torch.Tensor))
         compiled.run  # loads the binary (CompiledKernel._init_handles) before the direct calls
+        if len(self._cache) >= self.MAX_KEYS:
+            self._cache.clear()
         self._cache[key] = (compiled, tail, meta, device)
         return compiled
