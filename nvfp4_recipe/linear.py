@@ -142,6 +142,16 @@ def _fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool
                         need_wt, need_xt, shard)
 
 
+def _grads(dy, wt, xt, recipe: NVFP4Recipe, signs, seed, dx_dtype, dw_dtype, backend: str,
+           shard: Optional["TensorParallelShard"]):
+    """:func:`linear_grads` through ``ops``, or directly for a tensor-parallel shard (as
+    :func:`_fprop`)."""
+    if shard is None:
+        return ops.grads(dy, wt, xt, recipe, signs, seed, dx_dtype, dw_dtype, backend)
+    return linear_grads(get_backend(backend, dy.device), dy, wt, xt, recipe, signs, seed, dx_dtype,
+                        dw_dtype, shard)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (:func:`linear_fprop`,
     :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
@@ -176,12 +186,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wt, xt = wt if need_dx else None, xt if need_dw else None
         with torch.autocast(dy.device.type, enabled=False):
-            if ctx.shard is None:
-                dx, dw = ops.grads(dy, wt, xt, ctx.recipe, signs, seed, ctx.x_dtype, ctx.w_dtype,
-                                   ctx.backend)
-            else:
-                dx, dw = linear_grads(get_backend(ctx.backend, dy.device), dy, wt, xt, ctx.recipe,
-                                      signs, seed, ctx.x_dtype, ctx.w_dtype, ctx.shard)
+            dx, dw = _grads(dy, wt, xt, ctx.recipe, signs, seed, ctx.x_dtype, ctx.w_dtype,
+                            ctx.backend, ctx.shard)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY

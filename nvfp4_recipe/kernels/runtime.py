@@ -133,8 +133,8 @@ def launch_key(args: tuple, kwargs: dict) -> tuple:
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """A Triton allocator: ``size`` bytes of global scratch from torch's caching allocator on the
-    current device (stream-ordered on the current stream, as the launch is; the 256-byte alignment
-    of its blocks covers the 128 bytes a TMA descriptor needs)."""
+    current device, stream-ordered on the current stream as the launch is. ``alignment`` (128 for
+    TMA descriptors) is met without asking: the allocator's blocks start at multiples of 512."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -159,17 +159,17 @@ class Launcher:
     ``Launcher(kernel)[grid](*args, **constexprs)`` launches like ``kernel[grid](...)``: the first
     launch for a key goes through Triton (compiling and, for an autotuned kernel, tuning), and keeps
     the compiled kernel and the chosen config; later launches with the same key call the compiled
-    kernel directly. The key (:func:`launch_key`) is at least as fine as what Triton specializes
-    on and what an autotuner tunes on, so a cached binary is only reused where Triton would reuse
-    it; the cache is emptied when it reaches ``MAX_KEYS`` keys (scalars keyed by value, such as a
-    from_hp seed that changes on every call, would grow it without end). This skips Triton's per-launch argument
-    binding and the autotuner's dispatch, the bulk of a small layer's host time. ``grid`` is a tuple
-    or a function of the config's meta-parameters. Under the interpreter every launch goes through
-    Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then compiles, tunes and
-    launches the kernel from its own code). Positional arguments are the kernel's leading
-    parameters; keyword arguments are constexprs or launch options (``num_warps``). ``scratch``:
-    the kernel needs global scratch (it makes TMA descriptors), so Triton must have an allocator
-    (:func:`ensure_allocator`; Inductor sets its own for the launches it records).
+    kernel directly. The key (:func:`launch_key`) is at least as fine as what Triton specializes on
+    and what an autotuner tunes on, so a cached binary is only reused where Triton would reuse it;
+    the cache is emptied when it reaches ``MAX_KEYS`` keys (scalars keyed by value, such as a
+    from_hp seed that changes on every call, would grow it without end). This skips Triton's
+    per-launch argument binding and the autotuner's dispatch, the bulk of a small layer's host time.
+    ``grid`` is a tuple or a function of the config's meta-parameters. Under the interpreter every
+    launch goes through Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then
+    compiles, tunes and launches the kernel from its own code). Positional arguments are the
+    kernel's leading parameters; keyword arguments are constexprs or launch options (``num_warps``).
+    ``scratch``: the kernel needs global scratch (it makes TMA descriptors), so Triton must have an
+    allocator (:func:`ensure_allocator`; Inductor sets its own for the launches it records).
     """
 
     MAX_KEYS = 4096
