@@ -31,6 +31,7 @@ import torch.distributed as dist
 from common import environment, markdown_table, write_json
 from nvfp4_recipe.distributed import set_sr_rank
 from nvfp4_recipe.linear import NVFP4Linear
+from nvfp4_recipe.moe import NVFP4Experts
 from nvfp4_recipe.train.data import Batches, load_corpus
 from nvfp4_recipe.train.loop import TrainConfig, lm_loss, make_optimizer
 from nvfp4_recipe.train.model import ModelConfig, TinyLM, count_params
@@ -66,7 +67,7 @@ def build(recipe: str, cfg: ModelConfig, device: torch.device, draw: int = 0) ->
     if recipe != "bf16":
         set_sr_rank(model)
         for layer in model.modules():
-            if isinstance(layer, NVFP4Linear):
+            if isinstance(layer, (NVFP4Linear, NVFP4Experts)):
                 layer.sr_rank += draw * dist.get_world_size()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:

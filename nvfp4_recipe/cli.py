@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=("auto", "eager", "graph"), default="auto",
                      help="how steps run: eager (the plain loop) or graph (the whole step captured "
                           "in one CUDA graph and replayed: the same numbers without the host's kernel "
-                          "launch cost); auto = graph on CUDA, eager elsewhere (default auto)")
+                          "launch cost); auto = graph on CUDA for a dense model, eager elsewhere "
+                          "(default auto)")
     run.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads of torch (torch.set_num_threads; default: torch's choice)")
     run.add_argument("--out", metavar="DIR",

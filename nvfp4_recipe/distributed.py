@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from .backends import AmaxReduce
 from .formats import BLOCK
 from .linear import NVFP4Linear
+from .moe import NVFP4Experts
 from .spec import GemmRole, QuantSpec
 
 __all__ = ["set_sr_rank", "data_parallel_rank", "all_reduce_amax", "TensorParallelShard",
@@ -75,7 +76,8 @@ def data_parallel_rank(group: GroupLike = None) -> int:
 
 
 def set_sr_rank(model: nn.Module, group: GroupLike = None) -> int:
-    """Give every NVFP4Linear of ``model`` this process's data-parallel rank as its ``sr_rank``, so
+    """Give every NVFP4Linear and NVFP4 experts module (``moe.NVFP4Experts``) of ``model`` this
+    process's data-parallel rank as its ``sr_rank``, so
     that data-parallel ranks draw independent SR streams; returns the rank.
 
     Call it once per process after ``quantize_`` (before or after wrapping the model in DDP or
@@ -87,13 +89,13 @@ def set_sr_rank(model: nn.Module, group: GroupLike = None) -> int:
     made later (another ``quantize_``) start at rank 0.
 
     Raises:
-        ValueError: no NVFP4Linear in ``model`` (call ``quantize_`` first), or a bad ``group``
+        ValueError: no NVFP4 layer in ``model`` (call ``quantize_`` first), or a bad ``group``
             (:func:`data_parallel_rank`).
     """
     rank = data_parallel_rank(group)
-    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
     if not layers:
-        raise ValueError("set_sr_rank: the model has no NVFP4Linear layer; call "
+        raise ValueError("set_sr_rank: the model has no NVFP4 layer; call "
                          "nvfp4_recipe.quantize_(model, recipe) first")
     for layer in layers:
         layer.sr_rank = rank

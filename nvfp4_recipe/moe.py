@@ -32,6 +32,7 @@ from torch import nn
 from .backends import get_backend
 from .backends.grouped import GroupedBackend, check_offsets, get_grouped_backend
 from .formats import BLOCK
+from .linear import _out_dtype, sr_key
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole
@@ -86,18 +87,12 @@ def grouped_grads(gb: GroupedBackend, dy: torch.Tensor, offs: torch.Tensor,
     return dx, dw
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a high-precision layer would return: autocast's when it is on, else x's."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-
-
 class _GroupedLinearFn(torch.autograd.Function):
     """Y (T, N) = grouped X (T, K) @ W_g^T with NVFP4 fprop, dgrad and wgrad (:func:`grouped_fprop`,
-    :func:`grouped_grads`). ``sr`` is the (seed, step) pair of 0-d int64 buffer views keying the
-    backward's SR stream (``seed + (step << 32)`` read in backward, then step += 1); they are kept
-    on ctx rather than saved, because the steps of a module's projections are views of one buffer
-    whose version counter every advance bumps."""
+    :func:`grouped_grads`). ``sr`` is (seed, step, rank): two 0-d int64 buffer views and the
+    data-parallel rank keying the backward's SR stream (``linear.sr_key``, read in backward, then
+    step += 1); the views are kept on ctx rather than saved, because the steps of a module's
+    projections are views of one buffer whose version counter every advance bumps."""
 
     @staticmethod
     def forward(ctx, x, w, offs, signs, sr, recipe: NVFP4Recipe, backend: str,
@@ -120,8 +115,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None else None
         xt = None if saved[3] is None else GroupedOperand(NVFP4Operand(*saved[3:6]), offs, True,
                                                           ctx.xt_per_token)
-        sr_seed, sr_step = ctx.sr
-        seed = torch.add(sr_seed, sr_step, alpha=1 << 32)
+        sr_seed, sr_step, sr_rank = ctx.sr
+        seed = sr_key(sr_seed, sr_step, sr_rank)
         sr_step.add_(1)
         with torch.autocast(dy.device.type, enabled=False):
             dx, dw = grouped_grads(get_grouped_backend(ctx.backend, dy.device), dy.contiguous(),
@@ -133,7 +128,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe,
                    signs: torch.Tensor, sr_seed: torch.Tensor, sr_step: torch.Tensor,
-                   backend: Optional[str] = None) -> torch.Tensor:
+                   backend: Optional[str] = None, sr_rank: int = 0) -> torch.Tensor:
     """A grouped linear with NVFP4 fprop, dgrad and wgrad: ``Y[group g] = X_g @ W_g^T``, autograd
     to x and w.
 
@@ -146,18 +141,19 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         sr_seed, sr_step: 0-d int64 tensors keying the backward's SR stream (the step advances
             in backward, in place).
         backend: default ``recipe.backend``.
+        sr_rank: this process's data-parallel rank, folded into the SR key (``linear.sr_key``).
     Returns:
         (T, N) in the autocast dtype if autocast is on, else x's dtype; zeros past ``offs[-1]``.
     Raises:
         TypeError, ValueError: bad offsets (naming the group), shapes or dtypes.
     """
     check_offsets(offs, x.shape[0])
-    return _grouped_linear(x, w, offs, recipe, signs, (sr_seed, sr_step),
+    return _grouped_linear(x, w, offs, recipe, signs, (sr_seed, sr_step, sr_rank),
                            backend or recipe.backend)
 
 
 def _grouped_linear(x, w, offs, recipe, signs, sr, backend):
-    """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step)."""
+    """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step, sr_rank)."""
     out_dtype = _out_dtype(x)
     backend = get_backend(backend, w.device).name
     with torch.autocast(x.device.type, enabled=False):
@@ -200,8 +196,10 @@ class NVFP4Experts(nn.Module):
     Buffers (saved in the state dict): ``rht_signs`` (16,) float32; ``sr_seed`` (P,) int64, the
     Philox key of projection p, ``(recipe.seed + layer_seed + crc32(name_p)) mod 2**32``;
     ``sr_step`` (P,) int64, advanced by each backward of projection p (the stream of a backward is
-    keyed by ``sr_seed[p] + (sr_step[p] << 32)``). A checkpoint without them (the high-precision
-    module's) keeps the module's own; moving off the meta device sets them.
+    keyed by ``sr_seed[p] + sr_rank + (sr_step[p] << 32)``, ``linear.sr_key``). A checkpoint
+    without them (the high-precision module's) keeps the module's own; moving off the meta device
+    sets them. ``sr_rank``: an int attribute, the data-parallel rank (``distributed.set_sr_rank``),
+    0 by default, as on ``NVFP4Linear``.
     """
 
     PROJECTIONS: Tuple[str, ...] = ()
@@ -209,6 +207,7 @@ class NVFP4Experts(nn.Module):
     def _setup(self, recipe: Optional[NVFP4Recipe], layer_seed: int, device) -> None:
         self.recipe = recipe if recipe is not None else NVFP4Recipe()
         self.layer_seed = layer_seed
+        self.sr_rank = 0
         n = len(self.PROJECTIONS)
         self.register_buffer("rht_signs", torch.empty(BLOCK, dtype=torch.float32, device=device))
         self.register_buffer("sr_seed", torch.empty(n, dtype=torch.int64, device=device))
@@ -241,7 +240,8 @@ class NVFP4Experts(nn.Module):
     def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
         return _grouped_linear(x, w, offs, self.recipe, self.rht_signs,
-                               (self.sr_seed[p], self.sr_step[p]), self.recipe.backend)
+                               (self.sr_seed[p], self.sr_step[p], self.sr_rank),
+                               self.recipe.backend)
 
     def high_precision(self) -> nn.Module:
         """The high-precision module this one was made from (sharing the Parameters).

@@ -188,7 +188,7 @@ def test_set_sr_rank_without_a_process_group_is_rank_0_and_needs_nvfp4_layers():
     assert not dist.is_initialized() and data_parallel_rank() == 0
     assert set_sr_rank(model) == 0 and all(m.sr_rank == 0 for m in (model[0], model[2]))
     assert "sr_rank" not in str(model.state_dict().keys())
-    with pytest.raises(ValueError, match="no NVFP4Linear"):
+    with pytest.raises(ValueError, match="no NVFP4 layer"):
         set_sr_rank(nn.Sequential(nn.Linear(16, 16)))
 
 

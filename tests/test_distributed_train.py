@@ -36,9 +36,9 @@ def test_torchrun_two_processes_train_as_one_with_the_same_global_batches(tmp_pa
     assert (got["processes"], one["processes"]) == (2, 1)
     (bf16, nvfp4), (bf16_one, nvfp4_one) = got["runs"], one["runs"]
     assert all(r["status"] == "ok" for r in (bf16, nvfp4))
-    for a, b in zip(bf16["train_curve"], bf16_one["train_curve"]):
+    for a, b in zip(bf16["train_curve"], bf16_one["train_curve"], strict=True):
         assert abs(a - b) <= 1e-6 * b
-    for (step, a), (_, b) in zip(bf16["val_curve"], bf16_one["val_curve"]):
+    for (step, a), (_, b) in zip(bf16["val_curve"], bf16_one["val_curve"], strict=True):
         assert abs(a - b) <= 1e-6 * b, step
     assert abs(nvfp4["val_loss"] - nvfp4_one["val_loss"]) < 0.01 * nvfp4_one["val_loss"]
     assert nvfp4["val_curve"][-1][1] < nvfp4["val_curve"][0][1] - 1.0

@@ -13,6 +13,7 @@ u = 2**-23 to cover tensor cores, Higham eq. 3.4; tests/test_kernels_gemm.py), t
 scaling rounds once (2**-24 |d|) and the output cast once (half an ulp of the output dtype).
 """
 
+import copy
 import logging
 
 import pytest
@@ -202,6 +203,33 @@ def test_torchtitan_experts_equal_per_expert_linears():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert_grads_close(grads, torch.autograd.grad(want, (x, hp.w1, hp.w2, hp.w3), dy))
     assert ex.sr_step.tolist() == [1, 1, 1]  # each projection's stream advanced once
+
+
+def test_experts_sr_rank_is_added_to_the_key_and_set_sr_rank_reaches_them():
+    """The experts' SR streams are keyed as NVFP4Linear's (``linear.sr_key``): an experts module
+    with sr_rank r gives the gradients of a rank-0 one whose sr_seed is larger by r, and other
+    gradients than rank 0; ``distributed.set_sr_rank`` sets the experts' rank too."""
+    from nvfp4_recipe.distributed import set_sr_rank
+
+    recipe = nr.NVFP4Recipe(backend="reference")
+    hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
+    counts = torch.tensor([7, 0, 20, 21])
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
+
+    def grads(ex):
+        return torch.autograd.grad(ex(x, counts), (ex.w1, ex.w2, ex.w3), dy)
+
+    base, ranked, shifted = (moe.NVFP4GroupedExperts.from_experts(copy.deepcopy(hp), recipe)
+                             for _ in range(3))
+    ranked.sr_rank = 3
+    with torch.no_grad():
+        shifted.sr_seed += 3
+    got, want = grads(ranked), grads(shifted)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(got, grads(base), strict=True))
+    model = nn.ModuleDict({"experts": base})
+    assert set_sr_rank(model) == 0 and base.sr_rank == 0  # an experts-only model has NVFP4 layers
 
 
 def tiny_qwen3_moe(seed=0):
@@ -405,6 +433,30 @@ def test_native_grouped_plumbing(monkeypatch, caplog):
         if e > s:
             assert_matches_reference(dx[s:e], BG.group_slice(dyq, g, s, e), BG.expert_slice(wt, g),
                                      out_dtype=torch.float32)
+
+
+def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch):
+    """Through the layer's algorithm (``moe.grouped_fprop``, X a transient copy) the native backend
+    hands X to ``F.scaled_grouped_mm`` as codes, and gets the Triton grouped GEMM's result up to
+    the fp32 summation order (one bf16 rounding each)."""
+    from nvfp4_recipe.backends import native
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return emulated_scaled_grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", counted)
+    monkeypatch.setattr(native, "fp4_tensor_cores", lambda device: True)
+    offs = torch.tensor([32, 32, 64], dtype=torch.int32)
+    r = nr.NVFP4Recipe()
+    x, w = rand((64, 64), seed=4), rand((3, 32, 64), torch.float32, seed=5)
+    signs = r.signs()
+    y = moe.grouped_fprop(BG.NativeGrouped(), x, offs, w, r, signs, torch.bfloat16, False, False)[0]
+    assert calls == [1]
+    want = moe.grouped_fprop(BG.TritonGrouped(), x, offs, w, r, signs, torch.bfloat16, False,
+                             False)[0]
+    torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
 
 def test_native_grouped_refuses_without_fp4_tensor_cores():

@@ -207,13 +207,13 @@ def test_graph_mode_gives_the_eager_numbers(tmp_path):
                                  "--mode", mode, "--steps", "24", "--eval-every", "12")
         assert status == 0
         runs[mode] = results["runs"]
-    for eager, graph in zip(runs["eager"], runs["graph"]):
+    for eager, graph in zip(runs["eager"], runs["graph"], strict=True):
         assert (eager["mode"], graph["mode"]) == ("eager", "graph")
         assert eager["train_curve"] == graph["train_curve"]
         assert eager["val_curve"] == graph["val_curve"]
 
 
-def test_step_mode_picks_graph_only_on_cuda_in_one_process():
+def test_step_mode_picks_graph_only_on_cuda_in_one_process_with_a_dense_model():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto = TrainConfig(mode="auto")
     assert auto.step_mode(cuda) == "graph"
@@ -224,3 +224,6 @@ def test_step_mode_picks_graph_only_on_cuda_in_one_process():
     with pytest.raises(ValueError, match="torchrun"):
         TrainConfig(mode="graph").step_mode(cuda, data_parallel=True)
     assert TrainConfig(mode="eager").step_mode(cuda, data_parallel=True) == "eager"
+    assert TrainConfig(mode="auto", n_experts=4).step_mode(cuda) == "eager"
+    with pytest.raises(ValueError, match="MoE"):
+        TrainConfig(mode="graph", n_experts=4).step_mode(cuda)

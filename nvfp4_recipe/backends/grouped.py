@@ -259,6 +259,16 @@ class NativeGrouped(TritonGrouped):
 
     name = "native"
 
+    def quantize(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
+                 transient=(False, False)):
+        """As the Triton backend's, but a rowwise copy with per-group outer scales (fprop's X,
+        dgrad's dY) stays codes, transient or not: ``F.scaled_grouped_mm`` reads codes, and that
+        copy is what it takes (``native_unsupported``)."""
+        if row is not None and not row.per_token:
+            transient = (False, transient[1])
+        return super().quantize(x, offs, row, col, seed=seed, row_offset=row_offset,
+                                col_offset=col_offset, signs=signs, transient=transient)
+
     def mm(self, a, b, *, out_dtype=torch.float32):
         why = native_unsupported(a, b, out_dtype)
         if why:

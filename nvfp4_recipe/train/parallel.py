@@ -70,10 +70,12 @@ class DataParallel:
         """``model`` (on this rank's device) with this rank's SR streams, in DDP."""
         from nvfp4_recipe.distributed import set_sr_rank
         from nvfp4_recipe.linear import NVFP4Linear
-        if any(isinstance(m, NVFP4Linear) for m in model.modules()):
+        from nvfp4_recipe.moe import NVFP4Experts
+        if any(isinstance(m, (NVFP4Linear, NVFP4Experts)) for m in model.modules()):
             set_sr_rank(model)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # the only buffers are the NVFP4 layers' signs and SR counters, equal on every rank
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a scalar over the ranks (every rank gets it)."""
