@@ -319,3 +319,24 @@ def test_gpu_auto_method_splits_small_outputs_to_cublas(device):
     b = random_operand(128, 8192, device=device, gen=gen)
     out = G.scaled_mm(a, b, out_dtype=torch.float32)
     assert_matches_reference(out, a, b, None, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", G.METHODS)
+def test_gpu_output_beyond_2_31_elements(device, method):
+    """An output of more than 2**31 elements (131072 tokens x 16400, a long batch times a wide
+    vocabulary): row offsets are int64 in the epilogues, so the last rows land where they belong
+    (with int32 offsets they wrapped and wrote out of bounds). Small-integer inner values make
+    every product and sum exact, so the rows must equal an fp32 matmul's bit for bit."""
+    m, n, k = 131072, 16400, 16
+    if torch.cuda.mem_get_info(device)[0] < 3 * m * n * 2:
+        pytest.skip("needs about 13 GB of free GPU memory")
+    gen = torch.Generator(device=device).manual_seed(15)
+    a = torch.randint(-6, 7, (m, k), device=device, generator=gen).half()
+    b = torch.randint(-6, 7, (n, k), device=device, generator=gen).half()
+    one = torch.ones((), device=device)
+    y = G.scaled_mm(NVFP4Operand(None, None, one, values=a), NVFP4Operand(None, None, one, values=b),
+                    out_dtype=torch.bfloat16, method=method)
+    assert y.numel() > 2**31
+    for rows in (slice(0, 256), slice(m - 256, m)):
+        assert torch.equal(y[rows], (a[rows].float() @ b.float().t()).bfloat16())

@@ -71,7 +71,8 @@ def _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stri
     d = (sa[:, None] * sb[None, :]) * acc
     if HAS_BIAS:
         d = d + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+    # int64 rows: an output of 2**31 elements or more (a long batch times a wide vocabulary)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
     tl.store(out_ptrs, d.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -121,7 +122,8 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    acc = tl.load(c_ptr + offs_m[:, None] * stride_c + offs_n[None, :], mask=mask, other=0.0)
+    acc = tl.load(c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :], mask=mask,
+                  other=0.0)
     _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
               stride_o, HAS_BIAS)
 
