@@ -43,7 +43,7 @@ from .amax import check_matrix
 from .dequantize import dequantize_inner
 from .gemm import OUT_DTYPES, _epilogue, _kernel_out, _mma, _tile_pid
 from .hadamard import hadamard16, hadamard16_abs_max, rht16
-from .quantize import _quantize_store, _u32, quantize_2d_tile
+from .quantize import _finished, _pointers, _quantize_store, _u32, quantize_2d_tile
 from .rounding import abs_bits, outer_scales, round_to
 from .runtime import (capability, check_runnable, inner_values_supported, interpreting, num_sms,
                       prune_wide_tiles, scalar, scalar_arg)
@@ -275,24 +275,13 @@ def check_offsets(offs: torch.Tensor, device: torch.device) -> None:
 
 
 def _copy(rows: int, cols: int, inner: bool, outer_shape, device) -> NVFP4Operand:
-    """The empty output of one copy (scales as uint8 until written; :func:`_finish`)."""
+    """The empty output of one copy (scales as uint8 until written; ``quantize._finished``)."""
     outer = torch.empty(outer_shape, dtype=torch.float32, device=device)
     if inner:
         return NVFP4Operand(None, None, outer,
                             values=torch.empty(rows, cols, dtype=torch.float16, device=device))
     return NVFP4Operand(torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
                         torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer)
-
-
-def _pointers(op: NVFP4Operand):
-    """(codes or inner values, scales) arguments of ``quantize._quantize_store``."""
-    if op.values is not None:
-        return op.values, op.values
-    return op.qdata.view(torch.int64), op.scale
-
-
-def _finish(op: NVFP4Operand) -> NVFP4Operand:
-    return op if op.scale is None else op._replace(scale=op.scale.view(torch.float8_e4m3fn))
 
 
 def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpec] = None,
@@ -362,8 +351,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
             COL_PER_TOKEN=bool(col and col.per_token),
             COL_MULT=bool(col and col.amax_scale is not None), COL_INNER=bool(col and inner[1]),
             SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
-    rows = GroupedOperand(_finish(r), offs, False, row.per_token) if r else None
-    cols = GroupedOperand(_finish(c), offs, True, col.per_token) if c else None
+    rows = GroupedOperand(_finished(r), offs, False, row.per_token) if r else None
+    cols = GroupedOperand(_finished(c), offs, True, col.per_token) if c else None
     return rows, cols
 
 
