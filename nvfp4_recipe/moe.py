@@ -58,7 +58,7 @@ def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: to
         (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
         grouped along the tokens or None): the copies backward keeps, as codes.
     """
-    wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt)
+    wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt, transient=True)
     xq, xt = gb.quantize(x, offs, recipe.spec(GemmRole.X_FPROP),
                          recipe.spec(GemmRole.X_WGRAD) if need_xt else None, signs=signs,
                          transient=(True, False))

@@ -34,7 +34,7 @@ GEMM = dict(a_ptr="*fp16", b_ptr="*fp16", offs_ptr="*i32", sa_ptr="*fp32", sb_pt
 GEMM_TMA = dict(GEMM, a_ptr="tensordesc<fp16[128, 64]>", b_ptr="tensordesc<fp16[128, 64]>")
 AMAX = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="*i32", G=I32,
             signs_ptr="*fp32", row_ptr="*i32", col_ptr="*i32",
-            **const("ROW", "COL", "COL_RHT", "BB", "BC"))
+            **const("ROW", "COL", "COL_RHT", "GP", "BB", "BC", "P"))
 FLAGS = ("ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "ROW_INNER", "COL", "COL_RHT", "COL_SR",
          "COL_PER_TOKEN", "COL_MULT", "COL_INNER")
 QUANT = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="*i32", G=I32,
@@ -45,8 +45,7 @@ QUANT = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="
 EXPERTS = dict(w_ptr="*fp32", N=I32, K=I32, stride_g=I32, stride_n=I32, stride_k=I32,
                amax_ptr="*fp32", mult="fp32", seed_arg="i64", off_arg="i64", mul16=I32,
                q_ptr="*i64", s_ptr="*u8", qt_ptr="*i64", st_ptr="*u8", o_ptr="*fp32",
-               **const("W", "WT", "SR", "MULT", "SEED_PTR", "OFF_PTR", "BB", "BC"))
-DENSE_2D = {k: v for k, v in EXPERTS.items() if k != "stride_g"}
+               **const("W", "WT", "SR", "MULT", "INNER", "SEED_PTR", "OFF_PTR", "BB", "BC"))
 
 
 def quant_flags(on, inner=()):
@@ -69,7 +68,7 @@ def variants(capability):
                 dict(tiles, ALONG_K=along, TMA=True)
     for row, col, rht in ((1, 1, True), (2, 2, True), (1, 2, False), (0, 1, False)):
         yield f"amax {row}/{col}/{rht}", KG._grouped_amax_kernel.fn, AMAX, \
-            dict(ROW=row, COL=col, COL_RHT=rht, BB=2, BC=8)
+            dict(ROW=row, COL=col, COL_RHT=rht, GP=8, BB=2, BC=16, P=4)
     inner = ("r", "c") if capability >= 89 else ()
     for name, on, inn in (("X pair", ("ROW", "COL", "COL_RHT"), inner[:1]),
                           ("dY pair", ("ROW", "ROW_SR", "COL", "COL_RHT", "COL_SR"), inner),
@@ -78,10 +77,15 @@ def variants(capability):
                           ("rows only", ("ROW",), ())):
         sig, consts = quant_flags(on, inn)
         yield "quantize " + name, KG._quantize_grouped_kernel.fn, sig, consts
-    for sr in (False, True):
-        flags = dict(W=True, WT=True, SR=sr, MULT=False, SEED_PTR=False, OFF_PTR=False, BB=2, BC=8)
-        yield f"experts 2d sr={sr}", KG._experts_2d_kernel.fn, EXPERTS, flags
-        yield f"dense 2d sr={sr}", Q._quantize_2d_kernel.fn, DENSE_2D, flags
+    for sr, inner in ((False, False), (True, False), (False, True)):
+        if inner and capability < 89:
+            continue
+        flags = dict(W=True, WT=True, SR=sr, MULT=False, INNER=inner, SEED_PTR=False,
+                     OFF_PTR=False, BB=2, BC=8)
+        sig = dict(EXPERTS, q_ptr="*fp16", s_ptr="*fp16") if inner else EXPERTS
+        yield f"experts 2d sr={sr} inner={inner}", KG._experts_2d_kernel.fn, sig, flags
+        yield (f"dense 2d sr={sr} inner={inner}", Q._quantize_2d_kernel.fn,
+               {k: v for k, v in sig.items() if k != "stride_g"}, flags)
 
 
 def main(capability: int) -> int:

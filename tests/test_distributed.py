@@ -286,7 +286,7 @@ def test_amax_reduce_quantizes_a_row_shard_as_the_whole_tensor(backend, where, s
     w, wt = be.prepare_weight(x, spec(block="2d"), need_t=True)
     got_w, got_wt = be.prepare_weight(top, spec(block="2d"), need_t=True,
                                       amax_reduce=_halves_reducer(amax_r, calls))
-    assert_same(got_w, w._replace(qdata=w.qdata[:half], scale=w.scale[:half // 16]))
+    assert torch.equal(R.dequantize(got_w), R.dequantize(w)[:half])  # codes or inner values
     assert_same(got_wt, wt._replace(qdata=wt.qdata[:, :half // 2], scale=wt.scale[:, :half // 16]))
 
 

@@ -107,15 +107,17 @@ def test_group_streams_are_disjoint():
 
 @pytest.mark.parametrize("sp", [spec(block="2d"), spec(block="2d", rounding="sr", amax_scale=0.75),
                                 spec()], ids=idfn)
-def test_experts_match_per_expert_reference(sp):
-    """W_g and W_g^T of every expert: 2d blocks from one read (W^T the exact transpose), or 1d;
-    expert g's SR counter base is offset + g N K / 16."""
+@pytest.mark.parametrize("inner", [False, True], ids=["codes", "inner"])
+def test_experts_match_per_expert_reference(sp, inner):
+    """W_g (codes, or the fp16 inner values of the fprop GEMM) and W_g^T of every expert: 2d
+    blocks from one read (W^T the exact transpose), or 1d; expert g's SR counter base is
+    offset + g N K / 16."""
     w = rand((3, 48, 32), torch.float32, seed=5).to(DEV)
-    wq, wtq = quantize_experts(w, sp, seed=9, offset=100)
+    wq, wtq = quantize_experts(w, sp, seed=9, offset=100, inner=inner)
     n, k = w.shape[1:]
     for g in range(3):
         ref = R.quantize(w[g], sp, seed=9, offset=100 + g * n * k // 16)
-        assert_same(expert_slice(wq, g), ref)
+        (assert_inner_equals if inner else assert_same)(expert_slice(wq, g), ref)
         ref_t = R.transpose_2d(ref) if sp.block.value == "2d" else \
             R.quantize(w[g].t(), sp, seed=9, offset=100 + g * n * k // 16)
         assert_same(expert_slice(wtq, g), ref_t)
@@ -223,12 +225,13 @@ def test_pair_matches_per_group_reference_cuda(device, name, row, col, inner):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("sp", [spec(block="2d"), spec(block="2d", rounding="sr"), spec()], ids=idfn)
-def test_experts_match_per_expert_reference_cuda(device, sp):
+@pytest.mark.parametrize("inner", [False, True], ids=["codes", "inner"])
+def test_experts_match_per_expert_reference_cuda(device, sp, inner):
     w = rand((4, 1024, 768), torch.bfloat16, device, seed=2)
-    wq, wtq = quantize_experts(w, sp, seed=3)
+    wq, wtq = quantize_experts(w, sp, seed=3, inner=inner)
     for g in range(4):
         ref = R.quantize(w[g], sp, seed=3, offset=g * 1024 * 768 // 16)
-        assert_same(expert_slice(wq, g), ref)
+        (assert_inner_equals if inner else assert_same)(expert_slice(wq, g), ref)
         if sp.block.value == "2d":
             assert_same(expert_slice(wtq, g), R.transpose_2d(ref))
 

@@ -70,11 +70,16 @@ def test_inner_rowwise_only(sp):
 
 @pytest.mark.parametrize("sp", [spec(block="2d"), spec(block="2d", rounding="sr", amax_scale=0.75)], ids=idfn)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=idfn)
-def test_2d_w_and_wt_from_one_read(sp, dtype):
+@pytest.mark.parametrize("inner", [False, True], ids=["codes", "inner"])
+def test_2d_w_and_wt_from_one_read(sp, dtype, inner):
+    """W (as codes, or as the fp16 inner values its fprop GEMM reads) and W^T from one read."""
     w = rand((48, 80), dtype, seed=2)
-    wq, wtq = quantize_2d(w, sp, seed=7, offset=9)
+    wq, wtq = quantize_2d(w, sp, seed=7, offset=9, inner=inner)
     ref = R.quantize(w, sp, seed=7, offset=9)
-    assert_same(wq, ref)
+    if inner:
+        assert_inner_equals(wq, ref)
+    else:
+        assert_same(wq, ref)
     assert_same(wtq, R.transpose_2d(ref))
 
 
@@ -194,6 +199,7 @@ def test_cuda_2d_zero_tiny_and_nonfinite(device):
     ref = R.quantize(w, spec(block="2d"))
     assert_same(wq, ref)
     assert_same(wtq, R.transpose_2d(ref))
+    assert_inner_equals(quantize_2d(w, inner=True, write_wt=False)[0], ref)
     x = rand((1024, 2048), torch.float32, device=device, seed=3)
     x[5] = 0
     for t in (x * 1e-37, x * 1e-31, x):

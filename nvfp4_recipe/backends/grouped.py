@@ -136,10 +136,11 @@ class GroupedBackend:
         return rows, cols
 
     def quantize_experts(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
-                         ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+                         transient: bool = False) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
         """Expert weights (G, N, K), each W_g quantized alone under ``spec`` (per-tensor, no
         RHT), and with ``need_t`` each W_g^T (for 2d blocks the exact transpose, for 1d W_g^T
-        quantized along N): stacked operands (G, N, K) and (G, K, N), outer (G,)."""
+        quantized along N): stacked operands (G, N, K) and (G, K, N), outer (G,).
+        ``transient``: W only feeds the next :meth:`mm` and may come back as inner values."""
         _check_experts(w, spec)
         n_groups, n, k = w.shape
         ws, wts = [], []
@@ -243,10 +244,12 @@ class TritonGrouped(GroupedBackend):
         return quantize_grouped(x, offs, row, col, inner=inner, seed=seed, row_offset=row_offset,
                                 col_offset=col_offset, signs=signs)
 
-    def quantize_experts(self, w, spec, *, need_t):
+    def quantize_experts(self, w, spec, *, need_t, transient=False):
         from ..kernels.grouped import quantize_experts
+        from ..kernels.runtime import inner_values_supported
         _check_experts(w, spec)
-        return quantize_experts(w, spec, write_wt=need_t)
+        return quantize_experts(w, spec, write_wt=need_t,
+                                inner=transient and inner_values_supported(w.device))
 
     def mm(self, a, b, *, out_dtype=torch.float32):
         from ..kernels.grouped import grouped_scaled_mm
@@ -268,6 +271,10 @@ class NativeGrouped(TritonGrouped):
             transient = (False, transient[1])
         return super().quantize(x, offs, row, col, seed=seed, row_offset=row_offset,
                                 col_offset=col_offset, signs=signs, transient=transient)
+
+    def quantize_experts(self, w, spec, *, need_t, transient=False):
+        """As the Triton backend's, but W stays codes (what ``F.scaled_grouped_mm`` reads)."""
+        return super().quantize_experts(w, spec, need_t=need_t)
 
     def mm(self, a, b, *, out_dtype=torch.float32):
         why = native_unsupported(a, b, out_dtype)

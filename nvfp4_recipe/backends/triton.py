@@ -8,8 +8,8 @@ Work layout (``kernels/quantize.py``): a 1D operand is an amax pass plus one qua
 the (M, K) matrix once and writes its rowwise and/or columnwise copies; a 2D operand (weights) is an
 amax pass plus one pass writing W and its exact transpose. What this backend adds to the primitives:
 
-- Transient copies (a GEMM uses them at once: X for fprop, dY for dgrad, dY^T for wgrad) are written
-  as fp16 inner values (codes x block scales), so their GEMM skips a dequantize pass
+- Transient copies (a GEMM uses them at once: X and W for fprop, dY for dgrad, dY^T for wgrad) are
+  written as fp16 inner values (codes x block scales), so their GEMM skips a dequantize pass
   (GPUs with E4M3 conversion, sm89+, and the interpreter).
 - ``quantize_pair(..., prepare=b)`` dequantizes b (wgrad's X^T) in the same launch as the pair:
   its memory traffic overlaps that pass's arithmetic.
@@ -135,16 +135,18 @@ class TritonBackend(Backend):
     def prepare_weight(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
                        amax_reduce: AmaxReduce = None,
                        ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-        """2d: W and W^T from one read; 1d: the pair kernel. While a CUDA graph is captured, on the
-        side stream, W also dequantized there; in eager mode :meth:`mm` dequantizes W after the
-        activations' copies exist (a lower peak of memory)."""
+        """2d: W and W^T from one read; 1d: the pair kernel. W comes back as the fp16 inner values
+        fprop's GEMM reads where the GPU converts E4M3 (W^T stays codes, kept for backward).
+        While a CUDA graph is captured, this runs on the side stream."""
         with SideStream(w.device) as side:
             if spec.block is Block.D2 and not spec.rht:
                 R.check_input(w, spec)
                 wq, wtq = quantize_2d(w, spec, write_wt=need_t,
-                                      amax=_reduced_2d_amax(w, amax_reduce))
+                                      amax=_reduced_2d_amax(w, amax_reduce),
+                                      inner=inner_values_supported(w.device))
             elif spec.block is Block.D1 and not spec.rht:
                 wq, wtq, _ = self.quantize_pair(w, spec, spec if need_t else None,
+                                                transient=(True, False),
                                                 amax_reduce=(amax_reduce, amax_reduce))
             else:
                 wq, wtq = _REFERENCE.prepare_weight(w, spec, need_t=need_t,

@@ -289,27 +289,34 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_pt
 # ----------------------------------------------------------------------------------------------
 # 2D kernel
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT"],
+@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,
                         q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
                         W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                        SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
+                        INNER: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
     """W (N, K) in 16x16 blocks, a (16 BB, 16 BC) tile per program (:func:`quantize_2d_tile`)."""
     quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, scalar_arg(seed_arg, SEED_PTR),
                      scalar_arg(off_arg, OFF_PTR), mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
-                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, BB, BC)
+                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, BB, BC)
+
+
+@triton.jit
+def _row_blocks_of(t, BB: tl.constexpr, BC: tl.constexpr):
+    """(BB, BC) values of 16x16 blocks -> (16 BB, BC), one per row of each block."""
+    return tl.reshape(tl.broadcast_to(t[:, None, :], (BB, 16, BC)), (16 * BB, BC))
 
 
 @triton.jit
 def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off, mul16,
                      q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr, pid_b, pid_c,
                      W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                     BB: tl.constexpr, BC: tl.constexpr):
+                     INNER: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
     """Tile (pid_b, pid_c) of W (N, K) in 16x16 blocks: codes stored packed along the rows (q_ptr:
-    int64 view of W's (N, K/2) bytes) and along the columns (qt_ptr: int64 view of W^T's (K, N/2)
+    int64 view of W's (N, K/2) bytes; with INNER, W's fp16 inner values instead, q_ptr an (N, K)
+    float16 matrix, s_ptr unused) and along the columns (qt_ptr: int64 view of W^T's (K, N/2)
     bytes). The tile amaxes come from the row blocks; the W^T codes are computed on the column
     blocks (read again), with the same multipliers and, for SR, W's random bits transposed, so
     they equal the W codes. ``seed`` and ``off``: the SR stream's key and counter base (values)."""
@@ -322,9 +329,9 @@ def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off,
         tl.store(o_ptr, s_dec)
     a16 = abs_max16_bits(rows)
     a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
-    scode, _, enc = block_scale(bits_to_float(a, rows.dtype), s_enc6, s_dec)  # (BB, BC)
+    scode, scale, enc = block_scale(bits_to_float(a, rows.dtype), s_enc6, s_dec)  # (BB, BC)
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
-    if W:
+    if W and not INNER:
         tl.store(s_ptr + b[:, None] * (K // 16) + c[None, :], scode.to(tl.uint8), mask=mask)
     if WT:
         tl.store(st_ptr + c[None, :] * (N // 16) + b[:, None], scode.to(tl.uint8), mask=mask)
@@ -333,16 +340,22 @@ def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off,
         counter = _u32(off) + _u32(n[:, None]) * _u32(K // 16) + _u32(c[None, :])
         bits = bits16(seed, counter)  # (16 BB, BC, 16)
     if W:
-        enc_r = tl.reshape(tl.broadcast_to(enc[:, None, :], (BB, 16, BC)), (16 * BB, BC))
-        words = encode16(rows.to(tl.float32) * enc_r[:, :, None], bits, enc_r != enc_r, mul16, SR)
+        enc_r = _row_blocks_of(enc, BB, BC)
+        v = rows.to(tl.float32) * enc_r[:, :, None]
         rmask = (n < N)[:, None] & (c < K // 16)[None, :]
-        tl.store(q_ptr + n[:, None] * (K // 16) + c[None, :], words.to(tl.int64, bitcast=True),
-                 mask=rmask)
+        if INNER:
+            vals = inner16(v, bits, _row_blocks_of(scale, BB, BC), mul16, SR)
+            cols = c[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+            tl.store(q_ptr + n[:, None, None].to(tl.int64) * K + cols, vals, mask=rmask[:, :, None])
+        else:
+            words = encode16(v, bits, enc_r != enc_r, mul16, SR)
+            tl.store(q_ptr + n[:, None] * (K // 16) + c[None, :], words.to(tl.int64, bitcast=True),
+                     mask=rmask)
     if WT:
         k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
         cols = load_col_blocks(w_ptr, k, b, N, K, stride_n, stride_k)  # [k, b, j] = w[16b + j, k]
         et = tl.trans(enc)  # (BC, BB)
-        enc_c = tl.reshape(tl.broadcast_to(et[:, None, :], (BC, 16, BB)), (16 * BC, BB))
+        enc_c = _row_blocks_of(et, BC, BB)
         bits_c = 0
         if SR:
             bits_c = tl.reshape(tl.trans(tl.reshape(bits, (16 * BB, 16 * BC))), (16 * BC, BB, 16))
@@ -437,8 +450,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
         return r, c
     if (row and row.rht or col and col.rht) and signs is None:
         raise ValueError("an RHT copy needs the 16 RHT signs")
-    if any(inner) and not inner_values_supported(x.device):
-        raise ValueError(f"inner-value copies need E4M3 conversion (CUDA sm89+), not {x.device}")
+    check_inner(any(inner), x.device)
     m, k = x.shape
     dev = x.device
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
@@ -514,7 +526,7 @@ def amax_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec
 
 def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed: IntOrTensor = 0,
                 offset: IntOrTensor = 0, write_w: bool = True, write_wt: bool = True,
-                amax: Optional[torch.Tensor] = None,
+                amax: Optional[torch.Tensor] = None, inner: bool = False,
                 ) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand]]:
     """2D (16x16 block) NVFP4 quantization of a matrix and its exact transpose from one read.
 
@@ -524,34 +536,58 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
             ``offset`` in W's row-major order) and amax_scale (spec item 8) apply.
         write_w, write_wt: which of W and W^T to write.
         amax: max |w| (fp32 device scalar) to skip the amax pass.
+        inner: write W as its inner values (codes x block scales, float16, exact) instead of
+            codes and scales, for a GEMM that uses W at once (no dequantize pass).
     Returns:
         (W, W^T) :class:`NVFP4Operand` (Block.D2) or None: qdata (N, K/2) / (K, N/2), scale
         (N/16, K/16) / (K/16, N/16), shared per-tensor outer scale; W^T equals
-        ``reference.transpose_2d(W)``.
+        ``reference.transpose_2d(W)``. With ``inner``, W has values (N, K) float16 instead.
     Raises:
-        TypeError: unsupported dtype. ValueError: shape, or a spec that is not 2d / has RHT.
+        TypeError: unsupported dtype. ValueError: shape, a spec that is not 2d / has RHT, or
+            ``inner`` on a GPU without E4M3 conversion (before sm89).
     Source: spec items 1-6 with 2d blocks (reference.quantize(block="2d")).
     """
     if spec.block is not Block.D2 or spec.rht:
         raise ValueError(f"quantize_2d takes a 2d spec without RHT, got {spec}")
     A.check_matrix(w, rows16=True, cols16=True)
+    check_inner(inner and write_w, w.device)
     n, k = w.shape
     dev = w.device
     amax_ = amax if amax is not None else A.amax(w, A.TENSOR, A.NONE)[0]
-    outer = torch.empty((), dtype=torch.float32, device=dev)
-    q = torch.empty(n, k // 2, dtype=torch.uint8, device=dev) if write_w else None
-    s = torch.empty(n // 16, k // 16, dtype=torch.uint8, device=dev) if write_w else None
-    qt = torch.empty(k, n // 2, dtype=torch.uint8, device=dev) if write_wt else None
-    st = torch.empty(k // 16, n // 16, dtype=torch.uint8, device=dev) if write_wt else None
+    wq, wtq, outer = empty_2d((), n, k, write_w, write_wt, inner, dev)
     seed_a, seed_p = scalar(seed, dev)
     off_a, off_p = scalar(offset, dev)
     grid = lambda meta: (triton.cdiv(n, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
     _2D[grid](
         w, n, k, w.stride(0), w.stride(1), amax_, float(spec.amax_scale or 1.0), seed_a, off_a, 16,
-        q.view(torch.int64) if write_w else w, s if write_w else w,
-        qt.view(torch.int64) if write_wt else w, st if write_wt else w, outer,
-        W=write_w, WT=write_wt, SR=spec.sr, MULT=spec.amax_scale is not None, SEED_PTR=seed_p,
-        OFF_PTR=off_p)
-    wq = NVFP4Operand(q, s.view(torch.float8_e4m3fn), outer, Block.D2) if write_w else None
-    wtq = NVFP4Operand(qt, st.view(torch.float8_e4m3fn), outer, Block.D2) if write_wt else None
-    return wq, wtq
+        *(_pointers(wq) if wq else (w, w)), *(_pointers(wtq) if wtq else (w, w)), outer,
+        W=write_w, WT=write_wt, SR=spec.sr, MULT=spec.amax_scale is not None,
+        INNER=bool(inner and write_w), SEED_PTR=seed_p, OFF_PTR=off_p)
+    return (_finished(wq) if wq else None), (_finished(wtq) if wtq else None)
+
+
+def empty_2d(lead: Tuple[int, ...], n: int, k: int, write_w: bool, write_wt: bool, inner: bool,
+             device) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand], torch.Tensor]:
+    """The empty outputs (W, W^T, outer scale) of a 2d quantization of (*lead, N, K) weights
+    (scales as uint8 until the kernel has written them, :func:`_finished`; W as float16 inner
+    values with ``inner``); W and W^T share the fp32 outer scale of shape ``lead``."""
+    outer = torch.empty(lead, dtype=torch.float32, device=device)
+    wq = wtq = None
+    if write_w and inner:
+        wq = NVFP4Operand(None, None, outer, Block.D2,
+                          torch.empty(*lead, n, k, dtype=torch.float16, device=device))
+    elif write_w:
+        wq = NVFP4Operand(torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device),
+                          torch.empty(*lead, n // 16, k // 16, dtype=torch.uint8, device=device),
+                          outer, Block.D2)
+    if write_wt:
+        wtq = NVFP4Operand(torch.empty(*lead, k, n // 2, dtype=torch.uint8, device=device),
+                           torch.empty(*lead, k // 16, n // 16, dtype=torch.uint8, device=device),
+                           outer, Block.D2)
+    return wq, wtq, outer
+
+
+def check_inner(inner: bool, device: torch.device) -> None:
+    """Raises ValueError when inner-value outputs are asked on a device without E4M3 conversion."""
+    if inner and not inner_values_supported(device):
+        raise ValueError(f"inner-value copies need E4M3 conversion (CUDA sm89+), not {device}")
