@@ -5,8 +5,9 @@ Shape: G experts x tokens per expert, one grouped linear dim -> hidden (default 
 
 - fwd+bwd of ``moe.grouped_linear`` (the default recipe, bf16 activations; fp32 master weights,
   and bf16 weights as the baseline's) over fwd+bwd of bf16 ``torch._grouped_mm`` (autograd; bf16
-  weights), with the time of each piece (fp32 master weights) timed alone (expert weights W and W^T, X and X^T, dY and dY^T, the three grouped GEMMs; the
-  transient copies as fp16 inner values, as in training);
+  weights), the gradients of x and w returned by ``torch.autograd.grad`` (not accumulated), with the time of each piece (fp32 master weights) timed alone (expert weights W and
+  W^T, X and X^T, dY and dY^T, the three grouped GEMMs; the transient copies, W among them, as
+  fp16 inner values, as in training);
 - the grouped quantize kernels' bandwidth: bytes a pass must move (input read once, codes and
   scales or inner values written once) over its median time, as a fraction of a device-to-device
   copy of 2 GiB measured in the same run (the target: >= 60%); the amax pass and the quantize pass
@@ -83,11 +84,14 @@ def run(args) -> dict:
     signs = recipe.signs().to(device)
     seed, step = torch.tensor(7, device=device), torch.tensor(0, device=device)
 
+    # torch.autograd.grad: the gradients are computed, not accumulated into .grad (as after
+    # optimizer.zero_grad(), whose default sets them to None)
     def bf16_step():
-        torch._grouped_mm(x, w16.transpose(-2, -1), offs=offs).backward(dy)
+        torch.autograd.grad(torch._grouped_mm(x, w16.transpose(-2, -1), offs=offs), (x, w16), dy)
 
     def nvfp4_step(weights):
-        return lambda: moe.grouped_linear(x, weights, offs, recipe, signs, seed, step).backward(dy)
+        return lambda: torch.autograd.grad(
+            moe.grouped_linear(x, weights, offs, recipe, signs, seed, step), (x, weights), dy)
 
     out = {"shape": {"experts": g, "tokens_per_expert": tpe, "dim": k, "hidden": n},
            "bf16_ms": bench(bf16_step), "nvfp4_ms": bench(nvfp4_step(w)),
@@ -98,7 +102,9 @@ def run(args) -> dict:
     gb = get_grouped_backend("triton", device)
     spec = {role: recipe.spec(role) for role in GemmRole}
     xd = x.detach()
-    wq, wt = gb.quantize_experts(w.detach(), spec[GemmRole.W_FPROP], need_t=True)
+    w_pair = lambda: gb.quantize_experts(w.detach(), spec[GemmRole.W_FPROP], need_t=True,
+                                         transient=True)
+    wq, wt = w_pair()
     x_pair = lambda: gb.quantize(xd, offs, spec[GemmRole.X_FPROP], spec[GemmRole.X_WGRAD],
                                  signs=signs, transient=(True, False))
     dy_pair = lambda: gb.quantize(dy, offs, spec[GemmRole.DY_DGRAD], spec[GemmRole.DY_WGRAD],
@@ -113,8 +119,7 @@ def run(args) -> dict:
              "wgrad GEMM": lambda cfg=None: KG.grouped_scaled_mm(dyt, xt, out_dtype=torch.float32,
                                                                   cfg=cfg)}
     out["breakdown_ms"] = {
-        "quantize W (+W^T), per expert": bench(
-            lambda: gb.quantize_experts(w.detach(), spec[GemmRole.W_FPROP], need_t=True)),
+        "quantize W inner + W^T, per expert": bench(w_pair),
         "quantize X inner + X^T RHT": bench(x_pair),
         "quantize dY inner SR + dY^T RHT SR inner": bench(dy_pair),
         **{name: bench(fn) for name, fn in gemms.items()}}
