@@ -6,8 +6,8 @@ Shape: G experts x tokens per expert, one grouped linear dim -> hidden (default 
 - fwd+bwd of ``moe.grouped_linear`` (the default recipe, bf16 activations; fp32 master weights,
   and bf16 weights as the baseline's) over fwd+bwd of bf16 ``torch._grouped_mm`` (autograd; bf16
   weights), the gradients of x and w returned by ``torch.autograd.grad`` (not accumulated), with the time of each piece (fp32 master weights) timed alone (expert weights W and
-  W^T, X and X^T, dY and dY^T, the three grouped GEMMs; the transient copies, W among them, as
-  fp16 inner values, as in training);
+  W^T, X and X^T, dY and dY^T with W^T's dequantize pass riding along, the three grouped GEMMs;
+  the transient copies, W among them, as fp16 inner values, as in training);
 - the grouped quantize kernels' bandwidth: bytes a pass must move (input read once, codes and
   scales or inner values written once) over its median time, as a fraction of a device-to-device
   copy of 2 GiB measured in the same run (the target: >= 60%); the amax pass and the quantize pass
@@ -110,18 +110,18 @@ def run(args) -> dict:
     dy_pair = lambda: gb.quantize(dy, offs, spec[GemmRole.DY_DGRAD], spec[GemmRole.DY_WGRAD],
                                   seed=seed, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
                                   col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs,
-                                  transient=(True, True))
-    (xq, xt), (dyq, dyt) = x_pair(), dy_pair()
+                                  transient=(True, True), prepare=wt)
+    (xq, xt, _), (dyq, dyt, wt_in) = x_pair(), dy_pair()
     gemms = {"fprop GEMM": lambda cfg=None: KG.grouped_scaled_mm(xq, wq, out_dtype=torch.bfloat16,
                                                                   cfg=cfg),
-             "dgrad GEMM": lambda cfg=None: KG.grouped_scaled_mm(dyq, wt, out_dtype=torch.bfloat16,
+             "dgrad GEMM": lambda cfg=None: KG.grouped_scaled_mm(dyq, wt_in, out_dtype=torch.bfloat16,
                                                                   cfg=cfg),
              "wgrad GEMM": lambda cfg=None: KG.grouped_scaled_mm(dyt, xt, out_dtype=torch.float32,
                                                                   cfg=cfg)}
     out["breakdown_ms"] = {
         "quantize W inner + W^T, per expert": bench(w_pair),
         "quantize X inner + X^T RHT": bench(x_pair),
-        "quantize dY inner SR + dY^T RHT SR inner": bench(dy_pair),
+        "quantize dY inner SR + dY^T RHT SR inner, W^T dequantized": bench(dy_pair),
         **{name: bench(fn) for name, fn in gemms.items()}}
     if args.sweep:
         out["sweep_ms"] = [{"config": cfg, **{name: bench(lambda fn=fn: fn(cfg))

@@ -59,7 +59,7 @@ def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: to
         grouped along the tokens or None): the copies backward keeps, as codes.
     """
     wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt, transient=True)
-    xq, xt = gb.quantize(x, offs, recipe.spec(GemmRole.X_FPROP),
+    xq, xt, _ = gb.quantize(x, offs, recipe.spec(GemmRole.X_FPROP),
                          recipe.spec(GemmRole.X_WGRAD) if need_xt else None, signs=signs,
                          transient=(True, False))
     return gb.mm(xq, wq, out_dtype=out_dtype), wt, xt
@@ -71,16 +71,17 @@ def grouped_grads(gb: GroupedBackend, dy: torch.Tensor, offs: torch.Tensor,
                   dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """dgrad and wgrad of a grouped NVFP4 linear from dY (T, N), as ``linear.linear_grads`` per
     group: dY quantized rowwise (SR stream ``seed``, counter base ``SR_OFFSETS[DY_DGRAD]``) and
-    each dY_g^T along its tokens (RHT, SR, ``SR_OFFSETS[DY_WGRAD]``), from one read of dY.
+    each dY_g^T along its tokens (RHT, SR, ``SR_OFFSETS[DY_WGRAD]``), from one read of dY; W^T
+    is prepared for dgrad's GEMM in that pass where the backend can.
 
     Returns:
         (dX (T, K) of ``dx_dtype`` or None, dW (G, N, K) of ``dw_dtype`` or None).
     """
-    dyq, dytq = gb.quantize(
+    dyq, dytq, wt = gb.quantize(
         dy, offs, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
         recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
         row_offset=SR_OFFSETS[GemmRole.DY_DGRAD], col_offset=SR_OFFSETS[GemmRole.DY_WGRAD],
-        signs=signs, transient=(True, True))
+        signs=signs, transient=(True, True), prepare=wt)
     dx = None if dyq is None else gb.mm(dyq, wt, out_dtype=dx_dtype)
     del dyq
     dw = None if dytq is None else gb.mm(dytq, xt, out_dtype=dw_dtype)

@@ -41,21 +41,27 @@ QUANT = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="
              signs_ptr="*fp32", seed_arg="*i64", mul16=I32, rq_ptr="*i64", rs_ptr="*u8",
              ro_ptr="*fp32", ramax_ptr="*fp32", r_mult="fp32", roff_arg="i64", cq_ptr="*i64",
              cs_ptr="*u8", co_ptr="*fp32", camax_ptr="*fp32", c_mult="fp32", coff_arg="i64",
-             **const(*FLAGS, "SEED_PTR", "ROFF_PTR", "COFF_PTR", "BB", "BC"))
+             dq_ptr="*u8", ds_ptr="*u8", dout_ptr="*fp16",
+             **{n: I32 for n in ("D_R", "D_KB", "d_stride_q", "d_stride_s", "d_stride_o")},
+             **const(*FLAGS, "SEED_PTR", "ROFF_PTR", "COFF_PTR", "DEQ", "D_BLOCK_2D", "D_BR", "D_H",
+                     "D_EVEN_K", "D_PTX", "BB", "BC"))
 EXPERTS = dict(w_ptr="*fp32", N=I32, K=I32, stride_g=I32, stride_n=I32, stride_k=I32,
                amax_ptr="*fp32", mult="fp32", seed_arg="i64", off_arg="i64", mul16=I32,
                q_ptr="*i64", s_ptr="*u8", qt_ptr="*i64", st_ptr="*u8", o_ptr="*fp32",
                **const("W", "WT", "SR", "MULT", "INNER", "SEED_PTR", "OFF_PTR", "BB", "BC"))
 
 
-def quant_flags(on, inner=()):
-    """QUANT's signature and constexprs with the flags ``on`` set (inner copies as fp16 values)."""
+def quant_flags(on, inner=(), deq=False):
+    """QUANT's signature and constexprs with the flags ``on`` set (inner copies as fp16 values),
+    with a 2d operand's dequantize pass riding along (``deq``, the dgrad W^T of the dY pair)."""
     sig = dict(QUANT)
     for side in inner:
         sig[side + "q_ptr"] = sig[side + "s_ptr"] = "*fp16"
     flags = {f: f in on for f in FLAGS}
     flags.update(ROW_INNER="r" in inner, COL_INNER="c" in inner)
-    return sig, dict(flags, SEED_PTR=True, ROFF_PTR=False, COFF_PTR=False, BB=2, BC=8)
+    rider = dict(DEQ=deq, D_BLOCK_2D=deq, D_BR=32 if deq else 1, D_H=128 if deq else 1,
+                 D_EVEN_K=True, D_PTX=deq)
+    return sig, dict(flags, SEED_PTR=True, ROFF_PTR=False, COFF_PTR=False, BB=2, BC=8, **rider)
 
 
 def variants(capability):
@@ -75,7 +81,7 @@ def variants(capability):
                           ("per-token pair", ("ROW", "ROW_PER_TOKEN", "COL", "COL_RHT",
                                               "COL_PER_TOKEN", "COL_MULT"), ()),
                           ("rows only", ("ROW",), ())):
-        sig, consts = quant_flags(on, inn)
+        sig, consts = quant_flags(on, inn, deq=name == "dY pair" and capability >= 89)
         yield "quantize " + name, KG._quantize_grouped_kernel.fn, sig, consts
     for sr, inner in ((False, False), (True, False), (False, True)):
         if inner and capability < 89:

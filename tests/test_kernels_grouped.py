@@ -123,6 +123,32 @@ def test_experts_match_per_expert_reference(sp, inner):
         assert_same(expert_slice(wtq, g), ref_t)
 
 
+def check_rider(x, offs, w, device=DEV):
+    """dY's grouped pass with the experts' W^T (2d codes) riding along, as dgrad runs it
+    (``TritonGrouped.quantize(prepare=...)``): W^T's inner values equal the dequantize pass's, and
+    the copies equal those of the pass alone."""
+    from nvfp4_recipe.backends.grouped import get_grouped_backend
+    from nvfp4_recipe.kernels.grouped import expert_inner
+    r = NVFP4Recipe()
+    _, wt = quantize_experts(w, r.spec(GemmRole.W_FPROP))
+    kw = dict(seed=torch.tensor(5, device=device), signs=signs_for().to(device),
+              transient=(True, True))
+    specs = (r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD))
+    gb = get_grouped_backend("triton", device)
+    rows, cols, prepared = gb.quantize(x, offs, *specs, **kw, prepare=wt)
+    alone = gb.quantize(x, offs, *specs, **kw)
+    end = int(offs[-1])  # rows past the last group are left unwritten
+    assert torch.equal(rows.data.values[:end], alone[0].data.values[:end])
+    assert torch.equal(cols.data.values[:, :end], alone[1].data.values[:, :end])
+    assert prepared.qdata is None and torch.equal(prepared.values, expert_inner(wt))
+    assert torch.equal(prepared.outer_scale, wt.outer_scale)
+    assert gb.quantize(x, offs, specs[0], None, **kw, prepare=wt)[2] is wt  # nothing to ride on
+
+
+def test_weight_dequantize_rides_on_the_dy_pass():
+    check_rider(rand((112, 48), seed=3).to(DEV), offsets(OFFS), rand((4, 32, 48), seed=4).to(DEV))
+
+
 def check_grouped_gemms(x, dy, w, offs, recipe, inner, method="auto"):
     """fprop (X, W), dgrad (dY, W^T) and wgrad (dY^T, X^T) of the grouped GEMM against each group's
     dense reference GEMM; the transient copies given to the GEMM as inner values when ``inner``
@@ -177,6 +203,9 @@ def test_bad_arguments_raise():
         quantize_grouped(x, offs, spec(block="2d"))
     with pytest.raises(ValueError, match="multiple of 16"):
         quantize_grouped(x[:24], offs, None, spec())
+    with pytest.raises(ValueError, match="columnwise copy"):
+        quantize_grouped(x, offs, spec(), dequantize=(quantize_grouped(x, offs, spec())[0].data,
+                                                      torch.empty(32, 32, dtype=torch.float16)))
     with pytest.raises(ValueError, match="per-tensor spec"):
         quantize_experts(x.reshape(2, 16, 32), spec(scaling="per_token"))
     rows, cols = quantize_grouped(x, offs, spec(), spec())
@@ -234,6 +263,12 @@ def test_experts_match_per_expert_reference_cuda(device, sp, inner):
         (assert_inner_equals if inner else assert_same)(expert_slice(wq, g), ref)
         if sp.block.value == "2d":
             assert_same(expert_slice(wtq, g), R.transpose_2d(ref))
+
+
+@pytest.mark.cuda
+def test_weight_dequantize_rides_on_the_dy_pass_cuda(device):
+    check_rider(rand((3328, 1024), device=device, seed=6), offsets(GPU_ENDS, device),
+                rand((6, 768, 1024), torch.float32, device, seed=7), device)
 
 
 @pytest.mark.cuda

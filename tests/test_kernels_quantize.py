@@ -83,11 +83,13 @@ def test_2d_w_and_wt_from_one_read(sp, dtype, inner):
     assert_same(wtq, R.transpose_2d(ref))
 
 
-def check_dequantize_rider(x, b_shape, device="cpu"):
-    """The dY pass of NVFP4Linear with X^T riding along (``quantize_1d(dequantize=...)``): the
-    rider's values equal the dequantize pass's, bit for bit, and the pair equals the pair alone."""
+def check_dequantize_rider(x, b_shape, device="cpu", block="1d"):
+    """The dY pass of NVFP4Linear with X^T (1d) or a weight (2d) riding along
+    (``quantize_1d(dequantize=...)``): the rider's values equal the dequantize pass's, bit for
+    bit, and the pair equals the pair alone."""
     _, row, col = recipe_pairs()[1]
-    b = quantize_1d(rand(b_shape, seed=8, device=device), spec())[0]
+    b_hp = rand(b_shape, seed=8, device=device)
+    b = quantize_1d(b_hp, spec())[0] if block == "1d" else quantize_2d(b_hp, write_wt=False)[0]
     kw = dict(inner=(True, True), seed=torch.tensor(7, device=device), row_offset=3,
               col_offset=2**31, signs=signs_for().to(device))
     out = torch.full(b_shape, float("nan"), dtype=torch.float16, device=device)
@@ -99,11 +101,12 @@ def check_dequantize_rider(x, b_shape, device="cpu"):
     assert torch.equal(out.float().cpu(), want), (out.float().cpu() != want).nonzero()[:5]
 
 
-@pytest.mark.parametrize("b_shape", [(40, 80), (112, 1024)], ids=idfn)
-def test_dequantize_rides_on_the_pair(b_shape):
+@pytest.mark.parametrize("b_shape,block", [((40, 80), "1d"), ((112, 1024), "1d"), ((48, 80), "2d")],
+                         ids=idfn)
+def test_dequantize_rides_on_the_pair(b_shape, block):
     """Ragged rider shapes (rows and K not multiples of the dequantize tile), fewer and more
-    rider tiles than programs."""
-    check_dequantize_rider(rand((48, 80), seed=4), b_shape)
+    rider tiles than programs, 1d and 2d blocks."""
+    check_dequantize_rider(rand((48, 80), seed=4), b_shape, block=block)
 
 
 def test_rejects_bad_input():

@@ -114,10 +114,10 @@ def check_grouped_linear(backend, scaling, x_dtype, ends, k, n, device="cpu"):
 
     oracle, bounds = BG.GroupedBackend(), BG.group_bounds(offs)
     spec = recipe.spec
-    xq, xt = oracle.quantize(x.detach(), offs, spec(GemmRole.X_FPROP), spec(GemmRole.X_WGRAD),
+    xq, xt, _ = oracle.quantize(x.detach(), offs, spec(GemmRole.X_FPROP), spec(GemmRole.X_WGRAD),
                              signs=signs)
     wq, wt = oracle.quantize_experts(w.detach(), spec(GemmRole.W_FPROP), need_t=True)
-    dyq, dyt = oracle.quantize(dy, offs, spec(GemmRole.DY_DGRAD), spec(GemmRole.DY_WGRAD),
+    dyq, dyt, _ = oracle.quantize(dy, offs, spec(GemmRole.DY_DGRAD), spec(GemmRole.DY_WGRAD),
                                seed=1234, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
                                col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs)
     d = lambda op: dequantized_groups(op, bounds)
@@ -417,14 +417,14 @@ def test_native_grouped_plumbing(monkeypatch, caplog):
     offs = torch.tensor([160, 160, 192, 320], dtype=torch.int32)  # 160 tokens: two 128-row tiles
     r = nr.NVFP4Recipe()
     x, w = rand((320, 64), seed=4), rand((4, 48, 64), torch.float32, seed=5)
-    xq, _ = oracle.quantize(x, offs, r.spec(GemmRole.X_FPROP), None)
+    xq, _, _ = oracle.quantize(x, offs, r.spec(GemmRole.X_FPROP), None)
     wq, wt = oracle.quantize_experts(w, r.spec(GemmRole.W_FPROP), need_t=True)
     y = native.mm(xq, wq, out_dtype=torch.bfloat16)
     for g, (s, e) in enumerate(BG.group_bounds(offs)):
         if e > s:
             assert_matches_reference(y[s:e], BG.group_slice(xq, g, s, e), BG.expert_slice(wq, g))
     tok = nr.NVFP4Recipe(scaling="per_token")
-    dyq, _ = oracle.quantize(rand((320, 48), seed=6), offs, tok.spec(GemmRole.DY_DGRAD), None,
+    dyq, _, _ = oracle.quantize(rand((320, 48), seed=6), offs, tok.spec(GemmRole.DY_DGRAD), None,
                              seed=1)
     with caplog.at_level(logging.WARNING, logger="nvfp4_recipe"):
         dx = native.mm(dyq, wt, out_dtype=torch.float32)
@@ -462,7 +462,7 @@ def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch):
 def test_native_grouped_refuses_without_fp4_tensor_cores():
     offs = torch.tensor([32], dtype=torch.int32)
     oracle, r = BG.GroupedBackend(), nr.NVFP4Recipe()
-    xq, _ = oracle.quantize(rand((32, 64)), offs, r.spec(GemmRole.X_FPROP), None)
+    xq, _, _ = oracle.quantize(rand((32, 64)), offs, r.spec(GemmRole.X_FPROP), None)
     wq, _ = oracle.quantize_experts(rand((1, 32, 64)), r.spec(GemmRole.W_FPROP), need_t=False)
     with pytest.raises(ValueError, match="sm100"):
         BG.native_grouped_mm(xq, wq)
@@ -475,7 +475,7 @@ def test_native_grouped_on_blackwell(device):
         pytest.skip("needs an sm100+ GPU")
     offs = torch.tensor([256, 256, 640, 1024], dtype=torch.int32, device=device)
     oracle, r = BG.GroupedBackend(), nr.NVFP4Recipe()
-    xq, _ = oracle.quantize(rand((1024, 512), device=device), offs, r.spec(GemmRole.X_FPROP), None)
+    xq, _, _ = oracle.quantize(rand((1024, 512), device=device), offs, r.spec(GemmRole.X_FPROP), None)
     wq, _ = oracle.quantize_experts(rand((4, 768, 512), device=device), r.spec(GemmRole.W_FPROP),
                                     need_t=False)
     y = BG.native_grouped_mm(xq, wq)

@@ -112,11 +112,14 @@ class GroupedBackend:
                  col: Optional[QuantSpec], *, seed: IntOrTensor = 0, row_offset: IntOrTensor = 0,
                  col_offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
                  transient: Tuple[bool, bool] = (False, False),
-                 ) -> Tuple[Optional[GroupedOperand], Optional[GroupedOperand]]:
+                 prepare: Optional[NVFP4Operand] = None,
+                 ) -> Tuple[Optional[GroupedOperand], Optional[GroupedOperand], Optional[NVFP4Operand]]:
         """The rowwise copy of the token groups of x (T, K) under ``row`` and the columnwise copy
         (each group's x_g^T) under ``col``, each None to skip; one outer scale per group (or per
         token). SR streams per group as in ``kernels/grouped.py``; ``transient[i]``: copy i only
-        feeds the next :meth:`mm` and may come back as inner values.
+        feeds the next :meth:`mm` and may come back as inner values. ``prepare``: a stacked
+        expert operand (G, R, C) that a later :meth:`mm` takes as B (dgrad's W^T); the backend
+        may prepare it in the same pass. Returns (rowwise, columnwise, prepared ``prepare``).
 
         Here: ``reference.quantize`` on each group, ``x[s:e]`` with counter base
         ``row_offset + s * K / 16`` and ``x[s:e].t()`` with ``col_offset + s * K / 16``.
@@ -133,7 +136,7 @@ class GroupedBackend:
         if col is not None:
             cols = _assemble_cols(x, offs, bounds, col,
                                   _per_group(x, bounds, col, True, seed, col_offset, signs))
-        return rows, cols
+        return rows, cols, prepare
 
     def quantize_experts(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
                          transient: bool = False) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
@@ -236,13 +239,27 @@ class TritonGrouped(GroupedBackend):
     name = "triton"
 
     def quantize(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
-                 transient=(False, False)):
-        from ..kernels.grouped import quantize_grouped
+                 transient=(False, False), prepare=None):
+        """As the reference's; ``prepare`` (codes) is dequantized to fp16 inner values in the
+        launch that writes the columnwise copy (its memory traffic overlaps that pass's
+        arithmetic), or left to :meth:`mm` when there is none."""
+        from ..kernels.grouped import quantize_grouped, stacked_codes
         from ..kernels.runtime import inner_values_supported
         check_quantize_args(x, row, col, signs)
-        inner = transient if inner_values_supported(x.device) else (False, False)
-        return quantize_grouped(x, offs, row, col, inner=inner, seed=seed, row_offset=row_offset,
-                                col_offset=col_offset, signs=signs)
+        supported = inner_values_supported(x.device)
+        inner = transient if supported else (False, False)
+        ride = prepare is not None and prepare.values is None and col is not None and supported
+        rider = None
+        if ride:
+            n_groups, rows, half = prepare.qdata.shape
+            rider = (stacked_codes(prepare),
+                     torch.empty(n_groups * rows, 2 * half, dtype=torch.float16, device=x.device))
+        r, c = quantize_grouped(x, offs, row, col, inner=inner, seed=seed, row_offset=row_offset,
+                                col_offset=col_offset, signs=signs, dequantize=rider)
+        if ride:
+            prepare = prepare._replace(qdata=None, scale=None,
+                                       values=rider[1].view(n_groups, rows, 2 * half))
+        return r, c, prepare
 
     def quantize_experts(self, w, spec, *, need_t, transient=False):
         from ..kernels.grouped import quantize_experts
@@ -263,14 +280,15 @@ class NativeGrouped(TritonGrouped):
     name = "native"
 
     def quantize(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
-                 transient=(False, False)):
+                 transient=(False, False), prepare=None):
         """As the Triton backend's, but a rowwise copy with per-group outer scales (fprop's X,
-        dgrad's dY) stays codes, transient or not: ``F.scaled_grouped_mm`` reads codes, and that
-        copy is what it takes (``native_unsupported``)."""
+        dgrad's dY) stays codes, transient or not, and ``prepare`` is left as it is:
+        ``F.scaled_grouped_mm`` reads codes, and those are what it takes (``native_unsupported``)."""
         if row is not None and not row.per_token:
             transient = (False, transient[1])
-        return super().quantize(x, offs, row, col, seed=seed, row_offset=row_offset,
-                                col_offset=col_offset, signs=signs, transient=transient)
+        r, c, _ = super().quantize(x, offs, row, col, seed=seed, row_offset=row_offset,
+                                   col_offset=col_offset, signs=signs, transient=transient)
+        return r, c, prepare
 
     def quantize_experts(self, w, spec, *, need_t, transient=False):
         """As the Triton backend's, but W stays codes (what ``F.scaled_grouped_mm`` reads)."""

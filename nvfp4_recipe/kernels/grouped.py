@@ -44,8 +44,8 @@ from .amax import check_matrix
 from .dequantize import dequantize_inner
 from .gemm import OUT_DTYPES, _epilogue, _kernel_out, _mma, _tile_pid
 from .hadamard import hadamard16, hadamard16_abs_max, rht16
-from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, empty_2d,
-                       quantize_2d_tile)
+from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
+                       empty_2d, quantize_2d_tile, ride_dequantize)
 from .rounding import abs_bits, outer_scales, round_to
 from .runtime import (capability, check_runnable, interpreting, num_sms, prune_wide_tiles, scalar,
                       scalar_arg)
@@ -208,24 +208,30 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
 # ----------------------------------------------------------------------------------------------
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
                                            "ROW_INNER", "COL", "COL_RHT", "COL_SR",
-                                           "COL_PER_TOKEN", "COL_MULT", "COL_INNER"],
+                                           "COL_PER_TOKEN", "COL_MULT", "COL_INNER", "DEQ", "D_R",
+                                           "D_KB"],
                  prune_configs_by=_PRUNE)
 @triton.jit
 def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, seed_arg,
                              mul16, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
                              cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
-                             ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
+                             dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s,
+                             d_stride_o, ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
                              ROW_MULT: tl.constexpr, ROW_INNER: tl.constexpr, COL: tl.constexpr,
                              COL_RHT: tl.constexpr, COL_SR: tl.constexpr,
                              COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
                              COL_INNER: tl.constexpr, SEED_PTR: tl.constexpr,
-                             ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
+                             ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr, DEQ: tl.constexpr,
+                             D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr, D_H: tl.constexpr,
+                             D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr,
                              BB: tl.constexpr, BC: tl.constexpr):
     """One (16 BB, 16 BC) tile of x a program: its rowwise copy from the (16 BB, BC, 16) row
     blocks, its columnwise copy from the (16 BC, BB, 16) column blocks (read again: L1/L2 hits),
     each block with the outer scale of its group (or token). The per-group outer scales are
     written by program (0, 0) (a group may have no tile), per-token ones by the programs holding
-    the first column (rowwise) or the first row (columnwise) of a tile column."""
+    the first column (rowwise) or the first row (columnwise) of a tile column. With DEQ each
+    program then takes its share of another operand's dequantize pass
+    (``quantize.ride_dequantize``, as in the dense pair kernel)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)
@@ -288,6 +294,9 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
         blocks = tl.where(g < G, b, M // 16)  # token blocks past the last group: masked off
         _quantize_store(yf, k[:, None], blocks[None, :], K, M, cq_ptr, cs_ptr, s_enc6, s_dec,
                         seed, off, mul16, COL_SR, COL_INNER)
+    if DEQ:
+        ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
+                        D_BLOCK_2D, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
 def check_offsets(offs: torch.Tensor, device: torch.device) -> None:
@@ -317,6 +326,7 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
                      seed: IntOrTensor = 0, row_offset: IntOrTensor = 0,
                      col_offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
                      amaxes: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                     dequantize: Optional[Tuple[NVFP4Operand, torch.Tensor]] = None,
                      ) -> Tuple[Optional[GroupedOperand], Optional[GroupedOperand]]:
     """Grouped 1D NVFP4 quantization of the token groups of x: both copies from one read (plus the
     amax pass), one outer scale per group (or per token).
@@ -333,13 +343,17 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
         signs: (16,) +-1 RHT signs (needed when ``col.rht``).
         amaxes: the (row, column) amaxes as :func:`grouped_amax_pass` returns them for these specs,
             to skip the amax pass (benchmarks time the two passes apart).
+        dequantize: (op, out): another 2-D operand with codes whose inner values the same launch
+            writes into out, as ``quantize.quantize_1d(dequantize=...)`` (only with a columnwise
+            copy; the experts' W^T of dgrad rides on dY's pass).
     Returns:
         (rowwise, columnwise) :class:`GroupedOperand` or None: rowwise data qdata (M, K/2), scale
         (M, K/16), outer (G,) or (M,); columnwise data qdata (K, M/2), scale (K, M/16), outer (G,)
         or (G, K). Rows past ``offs[-1]`` are left unwritten.
     Raises:
         TypeError: dtype of x or offs. ValueError: shapes, 2d or rowwise-RHT specs, an RHT
-            without signs, inner values on a GPU without E4M3 conversion.
+            without signs, inner values on a GPU without E4M3 conversion, ``dequantize``
+            without a columnwise copy or with operands ``quantize.dequantize_job`` refuses.
     Source: spec items 1-10 of docs/numerics.md per group (``reference.quantize`` on each group).
     """
     for spec, name in ((row, "row"), (col, "col")):
@@ -354,6 +368,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
     check_offsets(offs, x.device)
     check_runnable(x.device)
     check_inner(any(inner), x.device)
+    if dequantize is not None and col is None:
+        raise ValueError("dequantize runs in the pass that writes a columnwise copy; there is none")
     (m, k), n_groups, dev = x.shape, offs.shape[0], x.device
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
     row_amax, col_amax = amaxes if amaxes is not None else grouped_amax_pass(x, offs, row, col,
@@ -364,6 +380,7 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
     roff_a, roff_p = scalar(row_offset, dev)
     coff_a, coff_p = scalar(col_offset, dev)
     dummy = x
+    d_args, d_consts = dequantize_job(dequantize, dummy)
     grid = lambda meta: (max(1, triton.cdiv(m, 16 * meta["BB"])), triton.cdiv(k, 16 * meta["BC"]))
     if k and (row or col):
         _quantize_grouped_kernel[grid](
@@ -371,8 +388,9 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
             *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
             row_amax if r else dummy, float(row.amax_scale or 1.0) if r else 1.0, roff_a,
             *(_pointers(c) if c else (dummy, dummy)), c.outer_scale if c else dummy,
-            col_amax if c else dummy, float(col.amax_scale or 1.0) if c else 1.0, coff_a,
-            ROW=r is not None, ROW_SR=bool(row and row.sr), ROW_PER_TOKEN=bool(row and row.per_token),
+            col_amax if c else dummy, float(col.amax_scale or 1.0) if c else 1.0, coff_a, *d_args,
+            DEQ=dequantize is not None, **d_consts, ROW=r is not None, ROW_SR=bool(row and row.sr),
+            ROW_PER_TOKEN=bool(row and row.per_token),
             ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and inner[0]),
             COL=c is not None, COL_RHT=bool(col and col.rht), COL_SR=bool(col and col.sr),
             COL_PER_TOKEN=bool(col and col.per_token),
@@ -609,15 +627,21 @@ GROUPED_GEMM_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_st
 _INTERP_GROUPED_GEMM_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1, P=1)
 
 
+def stacked_codes(op: NVFP4Operand) -> NVFP4Operand:
+    """The codes of a stacked per-expert operand (qdata (G, R, C/2)) as one (G R, C) operand, for a
+    dequantize pass of all experts (its outer scale is unused there)."""
+    n_groups, rows, half = op.qdata.shape
+    return NVFP4Operand(op.qdata.reshape(n_groups * rows, half), op.scale.flatten(0, 1),
+                        op.outer_scale.new_ones(()), op.block)
+
+
 def expert_inner(op: NVFP4Operand) -> torch.Tensor:
     """The fp16 inner values (G, R, C) of a stacked per-expert operand (qdata (G, R, C/2)): its own,
     or one dequantize pass of all experts as one (G R, C) matrix."""
     if op.values is not None:
         return op.values
     n_groups, rows, half = op.qdata.shape
-    flat = NVFP4Operand(op.qdata.reshape(n_groups * rows, half), op.scale.flatten(0, 1),
-                        op.outer_scale.new_ones(()), op.block)
-    return dequantize_inner(flat, torch.float16).view(n_groups, rows, 2 * half)
+    return dequantize_inner(stacked_codes(op), torch.float16).view(n_groups, rows, 2 * half)
 
 
 def _inner(op: NVFP4Operand) -> torch.Tensor:

@@ -247,13 +247,24 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
     _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg, signs_ptr,
                    seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN, COL_MULT, COL_RHT,
                    COL_SR, COL_INNER)
-    if DEQ:  # this program's share of the dequantize tiles
-        n_prog = tl.num_programs(0) * tl.num_programs(1)
-        for t in range(pid_b * tl.num_programs(1) + pid_c, tl.cdiv(D_R, D_BR) * tl.cdiv(D_KB, D_H),
-                       n_prog):
-            q, s = load_codes_tile(dq_ptr, ds_ptr, D_R, D_KB, d_stride_q, d_stride_s, t,
-                                   D_BLOCK_2D, D_BR, D_H, D_EVEN_K)
-            store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
+    if DEQ:
+        ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
+                        D_BLOCK_2D, D_BR, D_H, D_EVEN_K, D_PTX)
+
+
+@triton.jit
+def ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
+                    D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr, D_H: tl.constexpr,
+                    D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr):
+    """This program's share of another operand's dequantize pass, run at the end of a quantize
+    kernel with a 2-D grid: every num_programs-th tile (``dequantize.load_codes_tile``,
+    ``store_inner_tile``; the arguments of ``dequantize.dequant_job``)."""
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    for t in range(tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                   tl.cdiv(D_R, D_BR) * tl.cdiv(D_KB, D_H), n_prog):
+        q, s = load_codes_tile(dq_ptr, ds_ptr, D_R, D_KB, d_stride_q, d_stride_s, t,
+                               D_BLOCK_2D, D_BR, D_H, D_EVEN_K)
+        store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
 @triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER"],
@@ -419,7 +430,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
         signs: (16,) +-1 RHT signs (any device; needed when a copy has ``rht``).
         amaxes: the (row, column) fp32 amaxes as :func:`amax_pass` returns them for these specs, to
             skip the amax pass (benchmarks time the two passes apart).
-        dequantize: (op, out): another 1d operand with codes, whose inner values
+        dequantize: (op, out): another operand with codes (1d or 2d blocks), whose inner values
             (``dequantize.dequantize_inner``, exact) the same launch writes into out ((R, C)
             float16/bfloat16/float32, unit stride along C). Only with a columnwise copy: that pass
             is bound by instruction issue, so the dequantization's memory traffic overlaps its
@@ -468,7 +479,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
             MULT=row.amax_scale is not None, INNER=inner[0], SEED_PTR=seed_p, OFF_PTR=roff_p)
         return _finished(r), None
     dummy = x
-    d_args, d_consts = _dequantize_job(dequantize, dummy)
+    d_args, d_consts = dequantize_job(dequantize, dummy)
     grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
     _PAIR[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
@@ -484,16 +495,19 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     return (_finished(r) if r else None, _finished(c))
 
 
-def _dequantize_job(dequantize, x: torch.Tensor):
-    """The dequantize arguments and ``D_*`` constexprs of :func:`_quantize_1d_kernel` for
-    ``quantize_1d(dequantize=...)`` (dummies for None)."""
+def dequantize_job(dequantize, x: torch.Tensor):
+    """The dequantize arguments and ``D_*`` constexprs of :func:`ride_dequantize` for a quantize
+    kernel of x given ``dequantize=(op, out)`` (dummies for None), checked.
+
+    Raises:
+        TypeError: out's dtype, or op's (``dequantize.check_codes``). ValueError: op's layout,
+            out's shape or strides, tensors on another device than x.
+    """
     if dequantize is None:
         return (x, x, x, 0, 0, 0, 0, 0), dict(D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True,
                                                D_PTX=False)
     op, out = dequantize
     op = check_codes("dequantize", op)
-    if op.block is not Block.D1:
-        raise ValueError("dequantize: the riding operand must have 1d blocks")
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"dequantize: out must be float16, bfloat16 or float32, got {out.dtype}")
     if tuple(out.shape) != (op.rows, op.k) or (op.k > 1 and out.stride(1) != 1):
