@@ -1,7 +1,7 @@
 """A side CUDA stream for work that does not depend on what the current stream is about to do.
 
-The Triton backend quantizes a layer's weight on it (``TritonBackend.prepare_weight``: W's amax,
-quantize and dequantize passes) while the current stream quantizes the activations, and
+The Triton backend quantizes a layer's weight on it (``TritonBackend.prepare_weight``: W's amax
+and quantize passes) while the current stream quantizes the activations, and
 dequantizes W^T on it in backward (``TritonBackend.prepare``) while dY is quantized. Those are a
 dozen small kernels a layer (a few µs each at a 512-wide layer) that would otherwise add their
 launch ramps and tails to the critical path; beside the activations' passes they cost almost
