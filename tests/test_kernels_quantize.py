@@ -214,6 +214,38 @@ def test_cuda_2d_zero_tiny_and_nonfinite(device):
 
 
 @pytest.mark.cuda
+def test_cuda_two_gigaelement_matrix(device):
+    """A matrix of 2**31 elements or more (131072 x 16400 bf16) is addressed with int64 offsets by
+    the amax, quantize (pair, rowwise-only, 2d, inner values) and dequantize kernels. Per-token
+    copies make rows, and for the columnwise copy columns, independent, and 2d blocks take the
+    global amax, so slices at the far end are checked against the reference."""
+    from nvfp4_recipe.kernels.amax import amax
+    from nvfp4_recipe.kernels.dequantize import dequantize_inner
+    x = torch.randn(131072, 16400, dtype=torch.bfloat16, device=device)
+    x[-1, -1] = 1000.0  # the largest magnitude, past element 2**31
+    assert amax(x)[0].item() == 1000.0
+    sp = spec(scaling="per_token")
+    tail = lambda op, n=16: op._replace(qdata=op.qdata[-n:], scale=op.scale[-n:],
+                                        outer_scale=op.outer_scale[-n:])
+    r, c = quantize_1d(x, sp, sp, inner=(True, False))
+    assert_inner_equals(r._replace(values=r.values[-16:], outer_scale=r.outer_scale[-16:]),
+                        R.quantize(x[-16:], sp))
+    assert_same(tail(c), R.quantize(x[:, -16:].t(), sp))
+    del r, c
+    q = quantize_1d(x, sp)[0]
+    assert_same(tail(q), R.quantize(x[-16:], sp))
+    inner = dequantize_inner(q, torch.float16)
+    assert torch.equal(inner[-16:].float(), R.dequantize_inner(tail(q)))
+    del q, inner
+    w2, wt2 = quantize_2d(x)
+    g = amax(x)[0]
+    assert_same(w2._replace(qdata=w2.qdata[-16:], scale=w2.scale[-1:]),
+                R.quantize(x[-16:], spec(block="2d"), amax_=g))
+    assert_same(wt2._replace(qdata=wt2.qdata[-16:], scale=wt2.scale[-1:]),
+                R.transpose_2d(R.quantize(x[:, -16:], spec(block="2d"), amax_=g)))
+
+
+@pytest.mark.cuda
 def test_cuda_graph_replay_advances_offset(device):
     """Seeds and offsets read from device tensors: a captured graph replays with new offsets."""
     _, row, col = recipe_pairs()[1]

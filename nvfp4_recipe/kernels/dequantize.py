@@ -86,7 +86,7 @@ def _load_codes(q_ptr, s_ptr, rows, kb, KB, stride_q, stride_s, H: tl.constexpr,
     cols = kb + tl.arange(0, H)
     scols = kb // 8 + tl.arange(0, H // 8)
     srows = rows // 16 if BLOCK_2D else rows
-    q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
+    q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
     s_ptrs = s_ptr + srows[:, None] * stride_s + scols[None, :]
     if EVEN_K:
         q = tl.load(q_ptrs)
@@ -139,8 +139,8 @@ def store_inner_tile(q, s, out_ptr, R, KB, stride_o, tile, BR: tl.constexpr, H: 
     mask = (rows < R)[:, None]
     if not EVEN_K:
         mask = mask & (cols < 2 * (KB - kb))
-    tl.store(out_ptr + rows[:, None] * stride_o + 2 * kb + cols, v.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + 2 * kb + cols,
+             v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

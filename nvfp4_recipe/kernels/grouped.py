@@ -517,9 +517,9 @@ def _dot_range(a_ptr, b_ptr, offs_m, offs_n, m_end, N, k_start, k_end, stride_am
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         kk = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :] * stride_ak,
+        a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + kk[None, :] * stride_ak,
                     mask=(offs_m < m_end)[:, None] & (kk < k_end)[None, :], other=0.0)
-        b = tl.load(b_ptr + kk[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+        b = tl.load(b_ptr + kk.to(tl.int64)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                     mask=(kk < k_end)[:, None] & (offs_n < N)[None, :], other=0.0)
         acc = _mma(a, b, acc, INTERP)
     return acc
@@ -615,7 +615,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, offs_ptr, sa_ptr, sb_ptr, out_ptr, G, M, 
         for t in range(first, done + tl.cdiv(M - start, BM) * tiles_n, NUM_PROGRAMS):
             offs_m = start + ((t - done) // tiles_n) * BM + tl.arange(0, BM)
             offs_n = ((t - done) % tiles_n) * BN + tl.arange(0, BN)
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
                      tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty),
                      mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 

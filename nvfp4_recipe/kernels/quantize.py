@@ -179,7 +179,7 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, se
     out, scode = quantize_block(y, s_enc6, s_dec, seed, _u32(offset) + _u32(idx), mul16, SR, INNER)
     mask = (row < n_rows) & (blk < n_cols // 16)
     if INNER:
-        first = row * n_cols + blk * 16
+        first = row.to(tl.int64) * n_cols + blk * 16
         tl.store(q_ptr + first[:, :, None] + tl.arange(0, 16)[None, None, :], out,
                  mask=mask[:, :, None])
     else:

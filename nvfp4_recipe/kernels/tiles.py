@@ -18,10 +18,11 @@ def load_row_blocks(x_ptr, r, c, n_rows, n_cols, stride_r, stride_c, valid=True)
     """Row blocks of a 2D tile: T[a, b, i] = x[r[a], 16 c[b] + i] as a (len(r), len(c), 16) tensor
     in the matrix dtype (zeros outside the matrix), the last axis in a thread's registers (two
     runs of 8, i.e. 16-byte loads for 2-byte dtypes, joined with ``tl.join``). ``valid`` (scalar)
-    masks the whole load (a prefetch past the program's last tile)."""
+    masks the whole load (a prefetch past the program's last tile). Offsets are int64 (a matrix
+    may have 2**31 elements or more)."""
     cols = c[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     rr = r[:, None, None]
-    ptr = x_ptr + rr * stride_r + cols * stride_c
+    ptr = x_ptr + rr.to(tl.int64) * stride_r + cols.to(tl.int64) * stride_c
     ok = (rr < n_rows) & valid
     lo = tl.load(ptr, mask=ok & (cols < n_cols), other=0.0)
     hi = tl.load(ptr + 8 * stride_c, mask=ok & (cols + 8 < n_cols), other=0.0)
@@ -34,13 +35,14 @@ def load_col_blocks(x_ptr, k, b, n_rows, n_cols, stride_r, stride_c, valid=True)
     """Column blocks of a 2D tile: T[a, d, j] = x[16 b[d] + j, k[a]] as a (len(k), len(b), 16)
     tensor in the matrix dtype (zeros outside), the last axis in registers: 16 loads of
     (len(k), len(b)) whose lanes run along the matrix rows' contiguous axis (coalesced; in a
-    pair kernel they hit the lines the rowwise loads just brought in)."""
+    pair kernel they hit the lines the rowwise loads just brought in). Offsets are int64."""
     t = ()
     kk = k[:, None]
     ok = (kk < n_cols) & valid
+    base = x_ptr + (b[None, :] * 16).to(tl.int64) * stride_r + kk.to(tl.int64) * stride_c
     for j in tl.static_range(16):
         r = b[None, :] * 16 + j
-        t = t + (tl.load(x_ptr + r * stride_r + kk * stride_c, mask=(r < n_rows) & ok, other=0.0),)
+        t = t + (tl.load(base + j * stride_r, mask=(r < n_rows) & ok, other=0.0),)
     return join16(t)
 
 
