@@ -148,9 +148,17 @@ def _config_from_args(args):
 
 
 def _moe_fields(args) -> dict:
-    """n_experts and top_k of the run: 0 experts (dense) unless --moe, --experts or --top-k."""
+    """n_experts and top_k of the run: 0 experts (dense) unless --moe, --experts or --top-k.
+
+    Raises:
+        ValueError: --experts below 1 (an MoE run needs experts; leave the MoE options out for a
+            dense model).
+    """
     if not (args.moe or args.experts is not None or args.top_k is not None):
         return {}
+    if args.experts is not None and args.experts < 1:
+        raise ValueError(f"--experts must be >= 1 (leave out --moe, --experts and --top-k for a "
+                         f"dense model), got {args.experts}")
     return {"n_experts": MOE_EXPERTS if args.experts is None else args.experts,
             "top_k": MOE_TOP_K if args.top_k is None else args.top_k}
 

@@ -16,7 +16,8 @@ import torch
 
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
-from nvfp4_recipe.kernels.grouped import grouped_scaled_mm, quantize_experts, quantize_grouped
+from nvfp4_recipe.kernels.grouped import (_INTERP_GROUPED_GEMM_CONFIG, grouped_scaled_mm,
+                                          quantize_experts, quantize_grouped)
 from nvfp4_recipe.recipe import NVFP4Recipe
 from nvfp4_recipe.spec import GemmRole
 
@@ -212,6 +213,15 @@ def test_bad_arguments_raise():
     wq, _ = quantize_experts(rand((3, 16, 32)).to(DEV), spec(block="2d"))
     with pytest.raises(ValueError, match="groups"):
         grouped_scaled_mm(rows, wq)
+    wq2, _ = quantize_experts(rand((2, 16, 32)).to(DEV), spec(block="2d"))
+    with pytest.raises(ValueError, match=r"A's outer scale must be a contiguous float32 \(2,\)"):
+        grouped_scaled_mm(rows._replace(data=rows.data._replace(outer_scale=torch.ones(3))), wq2)
+    with pytest.raises(ValueError, match=r"B's outer scale"):
+        grouped_scaled_mm(rows, wq2._replace(outer_scale=torch.ones(4)))
+    with pytest.raises(TypeError, match="int32"):
+        grouped_scaled_mm(rows._replace(offs=rows.offs.long()), wq2)
+    cfg = {k: v for k, v in _INTERP_GROUPED_GEMM_CONFIG.items() if k != "P"}  # P defaults to 1
+    assert torch.equal(grouped_scaled_mm(rows, wq2, cfg=cfg), grouped_scaled_mm(rows, wq2))
     with pytest.raises(ValueError, match="along K"):
         grouped_scaled_mm(cols, rows)
 

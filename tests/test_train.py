@@ -100,6 +100,8 @@ def test_module_entry_point_help():
     (["--seed", "-1"], "nvfp4-recipe train: error: NVFP4Recipe.seed: must be an int in [0, 2**31), got -1"),
     (["--backend", "native"], "nvfp4-recipe train: error: NVFP4 backend 'native' cannot run here: "
                               "the native backend needs a CUDA device, got cpu"),
+    (["--experts", "0"], "nvfp4-recipe train: error: --experts must be >= 1 (leave out --moe, "
+                         "--experts and --top-k for a dense model), got 0"),
     (["--device", "cpu", "--mode", "graph"],
      "nvfp4-recipe train: error: --mode graph needs a CUDA device (CUDA graphs), got cpu"),
 ])

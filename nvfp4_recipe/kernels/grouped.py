@@ -651,6 +651,28 @@ def _inner(op: NVFP4Operand) -> torch.Tensor:
     return dequantize_inner(op._replace(outer_scale=op.outer_scale.new_ones(())), torch.float16)
 
 
+def _outer_shape(op: GroupedOperand) -> Tuple[int, ...]:
+    """The outer-scale shape of a grouped operand (``operand.GroupedOperand``)."""
+    if not op.per_token:
+        return (op.groups,)
+    return (op.groups, op.data.rows) if op.along_k else (op.data.rows,)
+
+
+def _check_outer_scales(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand]) -> None:
+    """Raises ValueError unless the outer scales have the shapes the kernel reads (one fp32 value
+    per group, or per row as ``per_token`` says) and the offsets suit the kernel."""
+    check_offsets(a.offs, a.data.device)
+    want = [("A", a.data.outer_scale, _outer_shape(a))]
+    if isinstance(b, GroupedOperand):
+        want.append(("B", b.data.outer_scale, _outer_shape(b)))
+    else:
+        want.append(("B", b.outer_scale, (a.groups,)))
+    for name, outer, shape in want:
+        if outer.dtype != torch.float32 or tuple(outer.shape) != shape or not outer.is_contiguous():
+            raise ValueError(f"{name}'s outer scale must be a contiguous float32 {shape}, got "
+                             f"{outer.dtype} {tuple(outer.shape)} with strides {outer.stride()}")
+
+
 def _scale_strides(op: GroupedOperand) -> Tuple[int, int]:
     """(stride per group, stride per row) of a grouped operand's outer scales."""
     if not op.per_token:
@@ -686,8 +708,8 @@ def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand],
         fprop/dgrad: (T, N), zeros in the rows past ``offs[-1]``. wgrad: (G, M, N). Products exact,
         sums in fp32, outer scales applied in fp32, one rounding to ``out_dtype``.
     Raises:
-        TypeError: ``out_dtype``. ValueError: operands of the wrong layouts or sizes, an unknown
-            method.
+        TypeError: ``out_dtype``; offsets not int32. ValueError: operands of the wrong layouts or
+            sizes, outer scales of the wrong shape or dtype, an unknown method.
     """
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -705,9 +727,10 @@ def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand],
     else:
         out, args = _rows_args(a, a_in, b, out_dtype, dev)
         tiles = (triton.cdiv(out.shape[0], cfg["BM"]) + n_groups + 1) * triton.cdiv(out.shape[1], cfg["BN"])
+    _check_outer_scales(a, b)  # (after the layouts, whose errors say more)
     if out.numel() == 0:
         return out.to(out_dtype)
-    programs = max(1, min(num_sms(dev) * cfg.pop("P"), tiles))
+    programs = max(1, min(num_sms(dev) * cfg.pop("P", 1), tiles))
     sa_g, sa_m = _scale_strides(a)
     b_mat = args["b_ptr"] if a.along_k else args["b_ptr"].reshape(-1, args["K"])
     if method == "tma" and a_in.numel() and b_mat.numel():  # (no descriptor of an empty matrix)
