@@ -8,6 +8,8 @@ Shape: G experts x tokens per expert, one grouped linear dim -> hidden (default 
   weights), the gradients of x and w returned by ``torch.autograd.grad`` (not accumulated), with the time of each piece (fp32 master weights) timed alone (expert weights W and
   W^T, X and X^T, dY and dY^T with W^T's dequantize pass riding along, the three grouped GEMMs;
   the transient copies, W among them, as fp16 inner values, as in training);
+- fwd+bwd of a whole SwiGLU experts module (``moe.NVFP4GroupedExperts``, dim -> hidden -> dim,
+  fp32 master weights) over the same experts in bf16 ``torch._grouped_mm``;
 - the grouped quantize kernels' bandwidth: bytes a pass must move (input read once, codes and
   scales or inner values written once) over its median time, as a fraction of a device-to-device
   copy of 2 GiB measured in the same run (the target: >= 60%); the amax pass and the quantize pass
@@ -127,7 +129,36 @@ def run(args) -> dict:
         out["sweep_ms"] = [{"config": cfg, **{name: bench(lambda fn=fn: fn(cfg))
                                               for name, fn in gemms.items()}} for cfg in SWEEP]
     out["quantize"] = quantize_bandwidth(xd, dy, offs, spec, signs, seed, bench, device, args.tiny)
+    out["experts_module"] = experts_module(g, tpe, k, n, device, bench)
     return out
+
+
+def experts_module(g: int, tpe: int, dim: int, hidden: int, device, bench) -> dict:
+    """fwd+bwd of ``moe.NVFP4GroupedExperts`` (torchtitan's SwiGLU experts layout, fp32 master
+    weights, the default recipe) over the same SwiGLU experts in bf16 ``torch._grouped_mm``
+    (bf16 weights), both on bf16 tokens, gradients by ``torch.autograd.grad``."""
+    import torch
+    import torch.nn.functional as F
+    from nvfp4_recipe import NVFP4Recipe, moe
+
+    torch.manual_seed(1)
+    x = torch.randn(g * tpe, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(g * tpe, dim, device=device, dtype=torch.bfloat16)
+    counts = torch.full((g,), tpe, device=device, dtype=torch.float32)
+    offs = torch.arange(1, g + 1, device=device, dtype=torch.int32) * tpe
+    m = moe.NVFP4GroupedExperts(dim, hidden, g, NVFP4Recipe(backend="triton"), device=device)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    w1, w2, w3 = (p.detach().to(torch.bfloat16).requires_grad_() for p in (m.w1, m.w2, m.w3))
+    mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+    def bf16_step():
+        torch.autograd.grad(mm(F.silu(mm(x, w1)) * mm(x, w3), w2), (x, w1, w2, w3), dy)
+
+    def nvfp4_step():
+        torch.autograd.grad(m(x, counts), (x, m.w1, m.w2, m.w3), dy)
+    out = {"bf16_ms": bench(bf16_step), "nvfp4_ms": bench(nvfp4_step)}
+    return {**out, "ratio": out["nvfp4_ms"] / out["bf16_ms"]}
 
 
 def quantize_bandwidth(x, dy, offs, spec, signs, seed, bench, device, tiny) -> dict:
@@ -169,7 +200,11 @@ def table(out: dict) -> str:
              f"fwd+bwd: bf16 torch._grouped_mm {out['bf16_ms']:.3f} ms; NVFP4 "
              f"{out['nvfp4_ms']:.3f} ms with fp32 master weights ({out['ratio']:.2f}x bf16), "
              f"{out['nvfp4_bf16_weights_ms']:.3f} ms with bf16 weights "
-             f"({out['ratio_bf16_weights']:.2f}x); target <= 1.2x", ""]
+             f"({out['ratio_bf16_weights']:.2f}x); target <= 1.2x"]
+    e = out["experts_module"]
+    lines += [f"SwiGLU experts module (NVFP4GroupedExperts, {s['dim']} -> {s['hidden']} -> "
+              f"{s['dim']}) fwd+bwd: bf16 {e['bf16_ms']:.3f} ms, NVFP4 {e['nvfp4_ms']:.3f} ms "
+              f"({e['ratio']:.2f}x bf16)", ""]
     lines.append(markdown_table([{"piece": p, "ms": ms} for p, ms in out["breakdown_ms"].items()],
                                 ["piece", "ms"]))
     if "sweep_ms" in out:
