@@ -237,10 +237,12 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
     seed = scalar_arg(seed_arg, SEED_PTR)
     first = (pid_b == 0) & (pid_c == 0)
     b = pid_b * BB + tl.arange(0, BB)  # token blocks
+    m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)  # x (M, K): rows m, block columns c
+    c = pid_c * BC + tl.arange(0, BC)
+    if ROW:  # the tile's load first: the group and scale lookups below are dependent loads
+        y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
     g = _group_of(16 * b, offs_ptr, G)
-    if ROW:  # x (M, K): rows m, block columns c
-        m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
-        c = pid_c * BC + tl.arange(0, BC)
+    if ROW:
         g_m = tl.reshape(tl.broadcast_to(g[:, None], (BB, 16)), (16 * BB,))
         if ROW_PER_TOKEN:
             s_enc6, s_dec = outer_scales(tl.load(ramax_ptr + m, mask=m < M, other=0.0), r_mult,
@@ -252,13 +254,13 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
                                          ROW_MULT)
             if first:
                 _store_outers(ramax_ptr, ro_ptr, G, r_mult, ROW_MULT)
-        y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
         rows = tl.where(g_m < G, m, M)  # rows past the last group: stores masked off
         _quantize_store(y.to(tl.float32), rows[:, None], c[None, :], M, K, rq_ptr, rs_ptr,
                         s_enc6[:, None], s_dec[:, None], seed, scalar_arg(roff_arg, ROFF_PTR),
                         mul16, ROW_SR, ROW_INNER)
     if COL:  # x^T (K, M): rows k, block columns b, group g of x_g^T (K, M_g)
         k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
+        y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
         start = _group_start(g, offs_ptr, G)
         n_g = (tl.load(offs_ptr + g, mask=g < G, other=0) - start) // 16  # blocks in the group
         if COL_PER_TOKEN:
@@ -279,7 +281,6 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
             s_enc6, s_dec = s_enc6[None, :], s_dec[None, :]
             if first:
                 _store_outers(camax_ptr, co_ptr, G, c_mult, COL_MULT)
-        y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
         if COL_RHT:
             yf = round_to(rht16(y.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16))), y.dtype)
         else:
