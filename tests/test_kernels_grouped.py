@@ -71,6 +71,23 @@ def test_pair_matches_per_group_reference(name, row, col):
     check_grouped(rand((112, 48), seed=1), offsets(OFFS), row, col, signs=signs_for())
 
 
+def test_rht_amax_of_infinities_is_nan():
+    """Two Infs 8 apart in one column block meet only in the RHT's last butterfly stage
+    (Inf - Inf = NaN): that group's RHT amax is NaN, as the reference's, though the kernel's
+    first take folds that stage into the maximum (which gives Inf); the other groups' amaxes stay
+    finite and exact."""
+    from nvfp4_recipe.kernels.grouped import grouped_amax_pass
+    _, row, col = recipe_pairs()[0]
+    x, offs, signs = rand((112, 48), seed=3), offsets(OFFS), signs_for()
+    x[34, 5] = x[42, 5] = float("inf")  # group 2 (rows 32-79), block rows 32-47, column 5
+    x = x.to(DEV)
+    got = grouped_amax_pass(x, offs, row, col, signs.to(DEV))[1].cpu()
+    want = torch.stack([R.operand_amax(x[s:e].t().cpu(), col, signs) if e > s else torch.tensor(0.0)
+                        for s, e in group_bounds(offs)])
+    assert got[2].isnan() and torch.equal(got[[0, 1, 3]], want[[0, 1, 3]])
+    assert want[2].isnan()
+
+
 @pytest.mark.parametrize("inner", [(True, True), (True, False)], ids=idfn)
 def test_inner_values_match_per_group_reference(inner):
     """Transient copies come back as fp16 inner values equal to the reference's dequantized codes."""

@@ -39,9 +39,23 @@ def _configs():
 
 
 @triton.jit
-def _block_max_bits(t):
+def block_max_bits(t):
     """max |t| over the last axis of (A, B, 16) blocks, as the int32 bits of the fp32 value."""
     return abs_bits(bits_to_float(abs_max16_bits(t), t.dtype))
+
+
+@triton.jit
+def rht_block_max_bits(y, signs, dtype: tl.constexpr, EXACT: tl.constexpr):
+    """max |RHT| of (A, B, 16) fp32 blocks ``y`` along their last axis, of the transform's
+    values as the RHT operand has them (x / 4 rounded to ``dtype``, item 7), as int32 bits of
+    the fp32 value. Rounding is monotone and odd, so the rounded max is the max rounded. Without
+    EXACT the last butterfly stage is folded into the maximum (``hadamard16_abs_max``), which
+    gives Inf where Inf - Inf is NaN: a result of Inf or NaN must be taken again with EXACT."""
+    if EXACT:
+        h = abs_max16(hadamard16(y, signs))
+    else:
+        h = hadamard16_abs_max(y, signs)
+    return abs_bits(round_to(h * 0.25, dtype))
 
 
 @triton.jit
@@ -64,15 +78,9 @@ def _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr, ROW: t
         if COL_RHT:  # one fp32 copy serves both maxima
             y = t.to(tl.float32)
             tile_max = abs_bits(abs_max16(y))
-            if EXACT:
-                h = abs_max16(hadamard16(y, signs))
-            else:
-                h = hadamard16_abs_max(y, signs)
-            # x / 4 rounded to the input dtype (the RHT operand's values, item 7) is monotone in
-            # x and odd, so the largest rounded magnitude is the rounded largest one
-            col_max = abs_bits(round_to(h * 0.25, t.dtype))
+            col_max = rht_block_max_bits(y, signs, t.dtype, EXACT)
         else:
-            tile_max = _block_max_bits(t)
+            tile_max = block_max_bits(t)
             col_max = tile_max
         if ROW == 1:
             row_acc = tl.maximum(row_acc, tile_max)

@@ -40,16 +40,16 @@ import triton.language as tl
 from ..operand import GroupedOperand, NVFP4Operand
 from ..spec import Block, QuantSpec
 from .amax import _configs as _amax_configs
-from .amax import check_matrix
+from .amax import block_max_bits, check_matrix, rht_block_max_bits
 from .dequantize import dequantize_inner
 from .gemm import OUT_DTYPES, _epilogue, _kernel_out, _mma, _tile_pid
-from .hadamard import hadamard16, hadamard16_abs_max, rht16
+from .hadamard import rht16
 from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
-                       empty_2d, quantize_2d_tile, ride_dequantize)
+                       empty_2d, empty_copy, quantize_2d_tile, ride_dequantize)
 from .rounding import abs_bits, outer_scales, round_to
 from .runtime import (capability, check_runnable, interpreting, num_sms, prune_wide_tiles, scalar,
                       scalar_arg)
-from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks
+from .tiles import load_col_blocks, load_row_blocks
 
 IntOrTensor = Union[int, torch.Tensor]
 NONE, PER_GROUP, PER_INDEX = 0, 1, 2  # what an amax or outer-scale output holds
@@ -135,7 +135,7 @@ def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr
         t = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)  # t[a, d, j] = x[16 b[d] + j, k[a]]
         g = _group_of(16 * b, offs_ptr, G)
         ok = g < G
-        tile_max = abs_bits(bits_to_float(abs_max16_bits(t), t.dtype))  # (16 BC, BB)
+        tile_max = block_max_bits(t)  # (16 BC, BB)
         if ROW == 1:
             row_acc = _fold_groups(row_acc, tl.max(tile_max, axis=0), g, GP)
         if ROW == 2:
@@ -146,11 +146,9 @@ def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr
             col_max = tile_max
             if COL_RHT:
                 y = t.to(tl.float32)
-                h = hadamard16_abs_max(y, signs)
-                if tl.max(tl.max(abs_bits(h), axis=1), axis=0) >= 0x7F800000:
-                    h = abs_max16(hadamard16(y, signs))  # the folded stage misses Inf - Inf = NaN
-                # rounding to the input dtype is monotone and odd: the rounded max is the max rounded
-                col_max = abs_bits(round_to(h * 0.25, t.dtype))
+                col_max = rht_block_max_bits(y, signs, t.dtype, False)
+                if tl.max(tl.max(col_max, axis=1), axis=0) >= 0x7F800000:  # Inf or NaN: take again
+                    col_max = rht_block_max_bits(y, signs, t.dtype, True)
             if COL == 1:
                 col_acc = _fold_groups(col_acc, tl.max(col_max, axis=0), g, GP)
             if COL == 2:
@@ -312,16 +310,6 @@ def check_offsets(offs: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"offs is on {offs.device}, the data on {device}")
 
 
-def _copy(rows: int, cols: int, inner: bool, outer_shape, device) -> NVFP4Operand:
-    """The empty output of one copy (scales as uint8 until written; ``quantize._finished``)."""
-    outer = torch.empty(outer_shape, dtype=torch.float32, device=device)
-    if inner:
-        return NVFP4Operand(None, None, outer,
-                            values=torch.empty(rows, cols, dtype=torch.float16, device=device))
-    return NVFP4Operand(torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
-                        torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer)
-
-
 def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpec] = None,
                      col: Optional[QuantSpec] = None, *, inner: Tuple[bool, bool] = (False, False),
                      seed: IntOrTensor = 0, row_offset: IntOrTensor = 0,
@@ -375,8 +363,9 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
     row_amax, col_amax = amaxes if amaxes is not None else grouped_amax_pass(x, offs, row, col,
                                                                              signs_t)
-    r = _copy(m, k, inner[0], (m,) if row.per_token else (n_groups,), dev) if row else None
-    c = _copy(k, m, inner[1], (n_groups, k) if col.per_token else (n_groups,), dev) if col else None
+    r = empty_copy(m, k, inner[0], (m,) if row.per_token else (n_groups,), dev) if row else None
+    c = empty_copy(k, m, inner[1], (n_groups, k) if col.per_token else (n_groups,), dev) \
+        if col else None
     seed_a, seed_p = scalar(seed, dev)
     roff_a, roff_p = scalar(row_offset, dev)
     coff_a, coff_p = scalar(col_offset, dev)

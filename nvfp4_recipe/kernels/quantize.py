@@ -168,6 +168,16 @@ def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.co
 
 
 @triton.jit
+def store_inner16(q_ptr, row, blk, n_cols, vals, mask):
+    """Store (A, B, 16) fp16 inner values of the blocks at rows ``row`` and block columns ``blk``
+    (index tensors broadcasting to (A, B); ``mask`` likewise) of an (n_rows, n_cols) fp16 matrix
+    at q_ptr, with int64 offsets."""
+    first = row.to(tl.int64) * n_cols + blk * 16
+    tl.store(q_ptr + first[:, :, None] + tl.arange(0, 16)[None, None, :], vals,
+             mask=mask[:, :, None])
+
+
+@triton.jit
 def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, seed, offset, mul16,
                     SR: tl.constexpr, INNER: tl.constexpr):
     """Quantize fp32 (BB, BC, 16) blocks of operand rows ``row`` and block columns ``blk``
@@ -179,9 +189,7 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, se
     out, scode = quantize_block(y, s_enc6, s_dec, seed, _u32(offset) + _u32(idx), mul16, SR, INNER)
     mask = (row < n_rows) & (blk < n_cols // 16)
     if INNER:
-        first = row.to(tl.int64) * n_cols + blk * 16
-        tl.store(q_ptr + first[:, :, None] + tl.arange(0, 16)[None, None, :], out,
-                 mask=mask[:, :, None])
+        store_inner16(q_ptr, row, blk, n_cols, out, mask)
     else:
         tl.store(q_ptr + idx, out.to(tl.int64, bitcast=True), mask=mask)
         tl.store(s_ptr + idx, scode.to(tl.uint8), mask=mask)
@@ -355,9 +363,8 @@ def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off,
         v = rows.to(tl.float32) * enc_r[:, :, None]
         rmask = (n < N)[:, None] & (c < K // 16)[None, :]
         if INNER:
-            vals = inner16(v, bits, _row_blocks_of(scale, BB, BC), mul16, SR)
-            cols = c[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-            tl.store(q_ptr + n[:, None, None].to(tl.int64) * K + cols, vals, mask=rmask[:, :, None])
+            store_inner16(q_ptr, n[:, None], c[None, :], K,
+                          inner16(v, bits, _row_blocks_of(scale, BB, BC), mul16, SR), rmask)
         else:
             words = encode16(v, bits, enc_r != enc_r, mul16, SR)
             tl.store(q_ptr + n[:, None] * (K // 16) + c[None, :], words.to(tl.int64, bitcast=True),
@@ -382,10 +389,12 @@ _PAIR, _ROWS, _2D = Launcher(_quantize_1d_kernel), Launcher(_quantize_rows_kerne
 # ----------------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------------
-def _empty(rows: int, cols: int, spec: QuantSpec, inner: bool, device) -> NVFP4Operand:
-    """The empty output of a copy of ``rows`` rows and ``cols`` columns (scale as uint8 until
-    the kernel has written it, :func:`_finished`)."""
-    outer = torch.empty((rows,) if spec.per_token else (), dtype=torch.float32, device=device)
+def empty_copy(rows: int, cols: int, inner: bool, outer_shape: Tuple[int, ...],
+               device) -> NVFP4Operand:
+    """The empty output of a 1d copy of ``rows`` rows and ``cols`` columns: codes and scales (the
+    scales as uint8 until the kernel has written them, :func:`_finished`) or, with ``inner``,
+    float16 inner values; an fp32 outer scale of ``outer_shape``."""
+    outer = torch.empty(outer_shape, dtype=torch.float32, device=device)
     if inner:
         return NVFP4Operand(None, None, outer, values=torch.empty(rows, cols, dtype=torch.float16,
                                                                   device=device))
@@ -466,8 +475,8 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     dev = x.device
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
     row_amax, col_amax = amaxes if amaxes is not None else amax_pass(x, row, col, signs_t)
-    r = _empty(m, k, row, inner[0], dev) if row else None
-    c = _empty(k, m, col, inner[1], dev) if col else None
+    r = empty_copy(m, k, inner[0], (m,) if row.per_token else (), dev) if row else None
+    c = empty_copy(k, m, inner[1], (k,) if col.per_token else (), dev) if col else None
     seed_a, seed_p = scalar(seed, dev)
     roff_a, roff_p = scalar(row_offset, dev)
     coff_a, coff_p = scalar(col_offset, dev)
