@@ -25,6 +25,26 @@ def test_amax_kernel(rht, dtype):
     assert torch.equal(c, R.amax(xt, Scaling.PER_TOKEN))
     r, c = A.amax(x, A.TENSOR, A.TENSOR, rht, signs if rht else None)
     assert torch.equal(r, R.amax(x, Scaling.PER_TENSOR)) and torch.equal(c, R.amax(xt, Scaling.PER_TENSOR))
+    r, c = A.amax(x, A.PER_INDEX, A.TENSOR, rht, signs if rht else None)
+    assert torch.equal(r, R.amax(x, Scaling.PER_TOKEN)) and torch.equal(c, R.amax(xt, Scaling.PER_TENSOR))
+
+
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("row,col", [(A.TENSOR, A.NONE), (A.PER_INDEX, A.NONE), (A.NONE, A.TENSOR),
+                                     (A.NONE, A.PER_INDEX), (A.NONE, A.NONE)])
+def test_amax_kernel_one_output(row, col, rht):
+    """Asking for one amax gives it alone, in its own shape (() or one per index), the other None."""
+    x = rand((48, 80), torch.bfloat16, seed=6)
+    signs = signs_for()
+    xt = R.rht(x.t(), signs) if rht else x.t().float()
+    r, c = A.amax(x, row, col, rht, signs)
+    want = {A.NONE: None, A.TENSOR: Scaling.PER_TENSOR, A.PER_INDEX: Scaling.PER_TOKEN}
+    for got, mode, ref in ((r, row, x), (c, col, xt)):
+        if want[mode] is None:
+            assert got is None
+        else:
+            assert got.shape == ref.shape[:1] if mode == A.PER_INDEX else got.shape == ()
+            assert torch.equal(got, R.amax(ref, want[mode]))
 
 
 def check_rht_amax_nonfinite(device):

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .hadamard import hadamard16, hadamard16_abs_max
 from .rounding import abs_bits, round_to
-from .runtime import Launcher, interpreting, num_sms, prune_wide_tiles
+from .runtime import Launcher, cdiv, interpreting, num_sms, prune_wide_tiles
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
@@ -101,12 +101,16 @@ def _fold(acc):
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
-def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, row_ptr, col_ptr,
+def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
                  BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
     """A persistent grid over :func:`_amax_tiles`; per-tensor maxima go out once per program at
-    the end. A program whose RHT maxima reached Inf or NaN (where the folded last butterfly stage
-    can miss an Inf - Inf) takes its tiles again with the full transform."""
+    the end. The fp32 output holds the row maxima from ``out_ptr`` and the column maxima from
+    ``out_ptr + col_off``, taken as int32 bits (atomic max on the bits). A program whose RHT
+    maxima reached Inf or NaN (where the folded last butterfly stage can miss an Inf - Inf) takes
+    its tiles again with the full transform."""
+    row_ptr = out_ptr.to(tl.pointer_type(tl.int32))
+    col_ptr = row_ptr + col_off
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT else None
     row_acc, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
                                    ROW, COL, COL_RHT, False, BB, BC)
@@ -159,15 +163,27 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
     if col_rht and signs is None:
         raise ValueError("the RHT amax needs the 16 RHT signs")
     m, k = x.shape
-    sizes = {NONE: 0, TENSOR: 1}
-    n_row, n_col = sizes.get(row, m), sizes.get(col, k)
-    buf = torch.zeros(n_row + n_col, dtype=torch.int32, device=x.device)
-    row_buf, col_buf = buf[:n_row], buf[n_row:]
-    signs = signs if col_rht else buf
+    n_row, n_col = _size(row, m), _size(col, k)
+    if not (row or col):
+        return None, None
+    if row and col:  # one zeroed buffer (one fill), split after the launch
+        out = torch.zeros(n_row + n_col, dtype=torch.float32, device=x.device)
+    else:  # the one output, its own shape
+        out = torch.zeros((n_row or n_col,) if PER_INDEX in (row, col) else (),
+                          dtype=torch.float32, device=x.device)
     sms = num_sms(x.device)
-    grid = lambda meta: (min(triton.cdiv(m, 16 * meta["BB"]) * triton.cdiv(k, 16 * meta["BC"]),
-                             sms * meta["P"]),)
-    _AMAX[grid](x, m, k, x.stride(0), x.stride(1), signs, row_buf, col_buf,
-                       ROW=row, COL=col, COL_RHT=col_rht)
-    as_float = lambda b, mode: b.view(torch.float32).reshape(()) if mode == TENSOR else b.view(torch.float32)
-    return (as_float(row_buf, row) if row else None, as_float(col_buf, col) if col else None)
+    grid = lambda meta: (min(cdiv(m, 16 * meta["BB"]) * cdiv(k, 16 * meta["BC"]), sms * meta["P"]),)
+    _AMAX[grid](x, m, k, x.stride(0), x.stride(1), signs if col_rht else out, out, n_row,
+                ROW=row, COL=col, COL_RHT=col_rht)
+    if not (row and col):
+        return (out, None) if row else (None, out)
+    return _part(out, 0, n_row, row), _part(out, n_row, n_col, col)
+
+
+def _size(mode: int, n: int) -> int:
+    return {NONE: 0, TENSOR: 1}.get(mode, n)
+
+
+def _part(out: torch.Tensor, start: int, size: int, mode: int) -> torch.Tensor:
+    """One output's view of the shared buffer: a 0-d tensor for TENSOR, else ``size`` values."""
+    return out[start] if mode == TENSOR else out[start:start + size]

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..operand import NVFP4Operand
 from ..spec import Block
-from .runtime import Launcher, check_runnable, interpreting, ptx_dequant
+from .runtime import Launcher, cdiv, check_runnable, interpreting, ptx_dequant
 
 BLOCK = 16
 
@@ -244,7 +244,7 @@ def dequant_job(op: NVFP4Operand, out: torch.Tensor, cfg: Optional[dict] = None)
             out.stride(0))
     consts = dict(BLOCK_2D=op.block is Block.D2, BR=cfg["BR"], H=h, EVEN_K=kb % h == 0,
                   PTX=out.dtype == torch.float16 and ptx_dequant(op.qdata.device))
-    return args, consts, triton.cdiv(op.rows, cfg["BR"]) * triton.cdiv(kb, h)
+    return args, consts, cdiv(op.rows, cfg["BR"]) * cdiv(kb, h)
 
 
 def dequantize_inner(op: NVFP4Operand, out_dtype: torch.dtype = torch.bfloat16,

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..operand import NVFP4Operand
 from .dequantize import BLOCK, check_codes, check_outer, dequantize_inner
-from .runtime import Launcher, capability, check_runnable, interpreting, num_sms
+from .runtime import Launcher, capability, cdiv, check_runnable, interpreting, num_sms
 
 METHODS = ("triton", "cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -147,6 +147,8 @@ SMALL_K = 2048
 SMALL_K_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_warps=4,
                            num_stages=3, P=2)
 EPILOGUE_CONFIG = dict(BM=64, BN=128, num_warps=8)
+# Below this K an output with fewer tiles than SMs still runs the Triton GEMM (default_method).
+SPLIT_K_MIN = 4096
 
 # The compiled kernel of each method's last launch (for inspection: asm["ptx"], asm["cubin"]).
 LAST_KERNEL = {}
@@ -163,13 +165,15 @@ def gemm_config(k: int, out_dtype: torch.dtype) -> dict:
 
 def default_method(m: int, n: int, k: int, device: torch.device) -> str:
     """The method ``scaled_mm(method="auto")`` uses for an (m, k) x (n, k) product on ``device``:
-    "triton" on sm90+ when the output has at least one GEMM_CONFIG tile per SM (TMA; the fastest
-    at every benchmarked shape on an H200); "cublas" for fewer output tiles (the wgrad of small
-    layers: a small output with a long K, which cuBLAS splits along K and our persistent kernel
-    does not), on older GPUs and under the interpreter."""
+    "triton" on sm90+ (TMA; the fastest at every benchmarked shape on an H200) unless the output
+    has fewer GEMM_CONFIG tiles than SMs and K >= SPLIT_K_MIN (the wgrad of small layers: a small
+    output with a long K, which cuBLAS splits along K and our persistent kernel does not);
+    "cublas" there, on older GPUs and under the interpreter. A small output with a short K stays
+    on "triton": one launch and no fp32 intermediate, where cuBLAS's product and the epilogue
+    take two (measured 2026-11-24 on an H200: equal GPU time up to K = 2048, less host time)."""
     if device.type == "cuda" and not interpreting() and capability(device) >= (9, 0):
-        tiles = triton.cdiv(m, GEMM_CONFIG["BM"]) * triton.cdiv(n, GEMM_CONFIG["BN"])
-        if tiles >= num_sms(device):
+        tiles = cdiv(m, GEMM_CONFIG["BM"]) * cdiv(n, GEMM_CONFIG["BN"])
+        if tiles >= num_sms(device) or k < SPLIT_K_MIN:
             return "triton"
     return "cublas"
 
@@ -199,7 +203,7 @@ def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tenso
     programs = num_sms(a_inner.device) * cfg.pop("P", 1)
     out = _kernel_out(m, n, out_dtype, a_inner.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
-    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
     LAST_KERNEL["triton"] = _GEMM[(min(programs, tiles),)](
         a_inner, b_inner, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
         NUM_PROGRAMS=programs, **flags, **cfg)
@@ -220,7 +224,7 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     m, n = c.shape
     out = c if out_dtype == torch.float32 else _kernel_out(m, n, out_dtype, c.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(n, cfg["BN"]))
+    grid = (cdiv(m, cfg["BM"]), cdiv(n, cfg["BN"]))
     LAST_KERNEL["epilogue"] = _EPILOGUE[grid](c, *scales, out, m, n, c.stride(0), *strides,
                                                      out.stride(0), **flags, **cfg)
     return out.to(out_dtype)

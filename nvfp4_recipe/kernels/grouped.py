@@ -47,8 +47,8 @@ from .hadamard import rht16
 from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
                        empty_2d, empty_copy, quantize_2d_tile, ride_dequantize)
 from .rounding import abs_bits, outer_scales, round_to
-from .runtime import (capability, check_runnable, interpreting, num_sms, prune_wide_tiles, scalar,
-                      scalar_arg)
+from .runtime import (capability, cdiv, check_runnable, interpreting, next_pow2, num_sms,
+                      prune_wide_tiles, scalar, scalar_arg)
 from .tiles import load_col_blocks, load_row_blocks
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -186,13 +186,13 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
     buf = torch.zeros(n_row + n_col, dtype=torch.int32, device=x.device)
     row_buf, col_buf = buf[:n_row], buf[n_row:]
     sms = num_sms(x.device)
-    grid = lambda meta: (min(triton.cdiv(m, 16 * meta["BB"]) * triton.cdiv(k, 16 * meta["BC"]),
+    grid = lambda meta: (min(cdiv(m, 16 * meta["BB"]) * cdiv(k, 16 * meta["BC"]),
                              sms * meta["P"]),)
     if m and k and n_groups:
         _grouped_amax_kernel[grid](x, m, k, x.stride(0), x.stride(1), offs, n_groups,
                                    signs if col_rht else buf, row_buf, col_buf,
                                    ROW=r_mode, COL=c_mode, COL_RHT=col_rht,
-                                   GP=triton.next_power_of_2(n_groups))
+                                   GP=next_pow2(n_groups))
     row_amax = row_buf.view(torch.float32) if row else None
     col_amax = col_buf.view(torch.float32).reshape(n_groups, k) if c_mode == PER_INDEX else \
         col_buf.view(torch.float32)
@@ -371,7 +371,7 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
     coff_a, coff_p = scalar(col_offset, dev)
     dummy = x
     d_args, d_consts = dequantize_job(dequantize, dummy)
-    grid = lambda meta: (max(1, triton.cdiv(m, 16 * meta["BB"])), triton.cdiv(k, 16 * meta["BC"]))
+    grid = lambda meta: (max(1, cdiv(m, 16 * meta["BB"])), cdiv(k, 16 * meta["BC"]))
     if k and (row or col):
         _quantize_grouped_kernel[grid](
             x, m, k, x.stride(0), x.stride(1), offs, n_groups, signs_t, seed_a, 16,
@@ -466,7 +466,7 @@ def quantize_experts(w: torch.Tensor, spec: QuantSpec, *, write_w: bool = True,
     wq, wtq, outer = empty_2d((n_groups,), n, k, write_w, write_wt, inner, dev)
     seed_a, seed_p = scalar(seed, dev)
     off_a, off_p = scalar(offset, dev)
-    grid = lambda meta: (triton.cdiv(n, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]), n_groups)
+    grid = lambda meta: (cdiv(n, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]), n_groups)
     if w.numel():
         _experts_2d_kernel[grid](
             w, n, k, w.stride(0), w.stride(1), w.stride(2), amax, float(spec.amax_scale or 1.0),
@@ -713,10 +713,10 @@ def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand],
     a_in = _inner(a.data)
     if isinstance(b, GroupedOperand):
         out, args = _wgrad_args(a, a_in, b, out_dtype, dev)
-        tiles = n_groups * triton.cdiv(out.shape[1], cfg["BM"]) * triton.cdiv(out.shape[2], cfg["BN"])
+        tiles = n_groups * cdiv(out.shape[1], cfg["BM"]) * cdiv(out.shape[2], cfg["BN"])
     else:
         out, args = _rows_args(a, a_in, b, out_dtype, dev)
-        tiles = (triton.cdiv(out.shape[0], cfg["BM"]) + n_groups + 1) * triton.cdiv(out.shape[1], cfg["BN"])
+        tiles = (cdiv(out.shape[0], cfg["BM"]) + n_groups + 1) * cdiv(out.shape[1], cfg["BN"])
     _check_outer_scales(a, b)  # (after the layouts, whose errors say more)
     if out.numel() == 0:
         return out.to(out_dtype)

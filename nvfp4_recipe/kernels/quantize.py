@@ -36,7 +36,7 @@ from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_t
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
-from .runtime import Launcher, inner_values_supported, interpreting, prune_wide_tiles, scalar, scalar_arg
+from .runtime import Launcher, cdiv, inner_values_supported, interpreting, prune_wide_tiles, scalar, scalar_arg
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -481,7 +481,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     roff_a, roff_p = scalar(row_offset, dev)
     coff_a, coff_p = scalar(col_offset, dev)
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
-        grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"] * meta["T"]))
+        grid = lambda meta: (cdiv(m, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"] * meta["T"]))
         _ROWS[grid](
             x, m, k, x.stride(0), x.stride(1), seed_a, 16, *_pointers(r), r.outer_scale, row_amax,
             float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
@@ -489,7 +489,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
         return _finished(r), None
     dummy = x
     d_args, d_consts = dequantize_job(dequantize, dummy)
-    grid = lambda meta: (triton.cdiv(m, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
+    grid = lambda meta: (cdiv(m, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]))
     _PAIR[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
         *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
@@ -580,7 +580,7 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
     wq, wtq, outer = empty_2d((), n, k, write_w, write_wt, inner, dev)
     seed_a, seed_p = scalar(seed, dev)
     off_a, off_p = scalar(offset, dev)
-    grid = lambda meta: (triton.cdiv(n, 16 * meta["BB"]), triton.cdiv(k, 16 * meta["BC"]))
+    grid = lambda meta: (cdiv(n, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]))
     _2D[grid](
         w, n, k, w.stride(0), w.stride(1), amax_, float(spec.amax_scale or 1.0), seed_a, off_a, 16,
         *(_pointers(wq) if wq else (w, w)), *(_pointers(wtq) if wtq else (w, w)), outer,

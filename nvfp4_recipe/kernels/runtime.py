@@ -24,6 +24,18 @@ from triton.runtime.autotuner import Autotuner
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. Host code uses this, not ``triton.cdiv``: that is a Triton
+    ``constexpr_function`` whose call costs about 1.5 µs of host time, and a layer's fwd+bwd
+    computes a few dozen grid sizes."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), in plain Python (see :func:`cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def interpreting() -> bool:
     """Whether the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` at import)."""
     return _INTERPRET
@@ -80,7 +92,7 @@ def prune_wide_tiles(tile_cols):
     lanes would mostly be masked off (e.g. K = 512 in a small model), keeping at least the last
     config; with NVFP4_AUTOTUNE=0 keeps only the first survivor (no tuning runs)."""
     def prune(configs, named_args, **kwargs):
-        width = max(128, triton.next_power_of_2(named_args["K"]))
+        width = max(128, next_pow2(named_args["K"]))
         fit = [c for c in configs if tile_cols(c) <= width] or list(configs[-1:])
         return fit[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else fit
     return prune
