@@ -11,6 +11,7 @@ GPU work is negligible: what bounds small layers in eager mode.
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -155,14 +156,21 @@ def host_us(step, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def host_times(size: int = 256, profile: bool = False) -> dict:
-    """Host µs per fwd+bwd of a (size x size) bf16 nn.Linear and of NVFP4Linear, same shapes;
-    with ``profile`` also prints NVFP4Linear's host time by function (cProfile, self time)."""
+def host_times(size: int = 256, profile: bool = False, rounds_: int = 9) -> dict:
+    """Host µs per fwd+bwd of a (size x size) bf16 nn.Linear and of NVFP4Linear, same shapes: the
+    median of ``rounds_`` rounds of :func:`host_us`; with ``profile`` also prints NVFP4Linear's
+    host time by function (cProfile, self time)."""
     x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     bf16 = nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
     nvfp4 = NVFP4Linear.from_linear(nn.Linear(size, size, device="cuda"), RECIPES["default"])
-    times = {name: host_us(fwd_bwd(layer, x, dy)) for name, layer in (("bf16", bf16), ("nvfp4", nvfp4))}
+    # rounds alternate between the layers, medians: the host's times move by tens of percent
+    # between rounds as the OS places the main and autograd threads on cores
+    rounds = {"bf16": [], "nvfp4": []}
+    for _ in range(rounds_):
+        for name, layer in (("bf16", bf16), ("nvfp4", nvfp4)):
+            rounds[name].append(host_us(fwd_bwd(layer, x, dy)))
+    times = {name: statistics.median(t) for name, t in rounds.items()}
     if profile:
         import cProfile
         import pstats

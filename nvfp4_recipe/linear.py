@@ -24,6 +24,8 @@ else:  # a build without torch.distributed has no DTensor weights
 from . import ops
 from .backends import Backend, get_backend
 from .formats import BLOCK
+from .kernels.philox import next_key
+from .kernels.runtime import tracing
 from .operand import NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import Block, GemmRole
@@ -32,7 +34,7 @@ from .tensor import NVFP4Tensor
 if TYPE_CHECKING:
     from .distributed import TensorParallelShard
 
-__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads", "sr_key"]
+__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads", "next_sr_key", "sr_key"]
 
 _BUFFERS = ("rht_signs", "sr_seed", "sr_step")
 
@@ -43,6 +45,19 @@ def sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> to
     ``sr_seed`` and ``sr_rank`` are below 2**32; ``sr_rank`` 0 (one process) adds nothing."""
     key = torch.add(sr_seed, sr_step, alpha=1 << 32)  # one kernel
     return key + sr_rank if sr_rank else key
+
+
+def next_sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:
+    """A backward's SR key, :func:`sr_key` of the counters as they are, and ``sr_step`` advanced by
+    one in place (a mutation torch.compile and CUDA graphs keep). On a GPU in eager mode one small
+    kernel does both (``kernels.philox.next_key``): the launches saved are host time in a
+    host-bound backward; elsewhere torch ops, also while torch.compile traces (its backward
+    graph too), which fuses them and keeps the mutation as an ordinary in-place op."""
+    if sr_step.is_cuda and not (torch.compiler.is_compiling() or tracing()):
+        return next_key(sr_seed, sr_step, sr_rank)
+    key = sr_key(sr_seed, sr_step, sr_rank)
+    sr_step.add_(1)
+    return key
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -181,8 +196,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         w_block = Block.D2 if ctx.recipe.weight_2d else Block.D1
         wt = NVFP4Operand(*saved[0:3], w_block) if saved[0] is not None else None
         xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None else None
-        seed = sr_key(sr_seed, sr_step, ctx.sr_rank)
-        sr_step.add_(1)  # a mutation in backward: torch.compile and CUDA graphs keep it
+        seed = next_sr_key(sr_seed, sr_step, ctx.sr_rank)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wt, xt = wt if need_dx else None, xt if need_dw else None
         with torch.autocast(dy.device.type, enabled=False):

@@ -32,7 +32,7 @@ from torch import nn
 from .backends import get_backend
 from .backends.grouped import GroupedBackend, check_offsets, get_grouped_backend
 from .formats import BLOCK
-from .linear import _out_dtype, sr_key
+from .linear import _out_dtype, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole
@@ -117,8 +117,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         xt = None if saved[3] is None else GroupedOperand(NVFP4Operand(*saved[3:6]), offs, True,
                                                           ctx.xt_per_token)
         sr_seed, sr_step, sr_rank = ctx.sr
-        seed = sr_key(sr_seed, sr_step, sr_rank)
-        sr_step.add_(1)
+        seed = next_sr_key(sr_seed, sr_step, sr_rank)
         with torch.autocast(dy.device.type, enabled=False):
             dx, dw = grouped_grads(get_grouped_backend(ctx.backend, dy.device), dy.contiguous(),
                                    offs, wt if ctx.needs_input_grad[0] else None,

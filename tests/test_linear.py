@@ -82,6 +82,32 @@ def test_sr_step_advances_and_changes_gradients():
     assert int(layer.sr_step) == 2
 
 
+def check_next_sr_key(draw, device):
+    """``draw(seed, step, rank)`` returns sr_key's value of the counters before the call and
+    advances the step by one, for random 32-bit seeds and steps up to 2**31 (whose << 32 wraps
+    int64 as torch's does)."""
+    gen = torch.Generator().manual_seed(11)
+    for rank in (0, 3):
+        seed = torch.randint(0, 2**32, (), generator=gen, dtype=torch.int64).to(device)
+        step = torch.randint(0, 2**31, (), generator=gen, dtype=torch.int64).to(device)
+        before = int(step)
+        want = int(nr.linear.sr_key(seed, step.clone(), rank))
+        assert int(draw(seed, step, rank)) == want
+        assert int(step) == before + 1
+
+
+def test_next_sr_key_kernel_matches_torch_ops():
+    """The one-launch key kernel (run here by the interpreter on CPU tensors) against sr_key."""
+    from nvfp4_recipe.kernels.philox import next_key
+    check_next_sr_key(next_key, "cpu")
+    check_next_sr_key(nr.linear.next_sr_key, "cpu")  # the torch-op path off CUDA
+
+
+@pytest.mark.cuda
+def test_cuda_next_sr_key(device):
+    check_next_sr_key(nr.linear.next_sr_key, device)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="in_features"):
         NVFP4Linear(40, 32)

@@ -106,9 +106,6 @@ class TritonBackend(Backend):
             r, c = quantize_each(self, x, row, col, seed, row_offset, col_offset, signs,
                                  amax_reduce)
             return r, c, None if prepare is None else self._dequantized(prepare)
-        for t, spec in ((x, row), (x.t(), col)):
-            if spec is not None:
-                R.check_input(t, spec)
         inner = transient if inner_values_supported(x.device) else (False, False)
         specs, offsets, reduce = [row, col], [row_offset, col_offset], tuple(amax_reduce)
         if _is_transposed_view(x):  # x^T's rowwise copy is x's columnwise one

@@ -265,6 +265,13 @@ def dequantize_inner(op: NVFP4Operand, out_dtype: torch.dtype = torch.bfloat16,
     """
     op = check_codes("operand", op)
     check_runnable(op.qdata.device)
+    return dequantize_valid(op, out_dtype, cfg)
+
+
+def dequantize_valid(op: NVFP4Operand, out_dtype: torch.dtype = torch.float16,
+                     cfg: Optional[dict] = None) -> torch.Tensor:
+    """:func:`dequantize_inner` of an operand that :func:`check_codes` returned, on a device the
+    kernels run on, without validating it again (the GEMM's operands, validated once)."""
     out = torch.empty((op.rows, op.k), dtype=out_dtype, device=op.qdata.device)
     if out.numel() == 0:
         return out

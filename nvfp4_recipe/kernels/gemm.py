@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..operand import NVFP4Operand
-from .dequantize import BLOCK, check_codes, check_outer, dequantize_inner
+from .dequantize import BLOCK, check_codes, check_outer, dequantize_valid
 from .runtime import Launcher, capability, cdiv, check_runnable, interpreting, num_sms
 
 METHODS = ("triton", "cublas")
@@ -280,7 +280,7 @@ def _empty_product(a_outer, b_outer, m: int, n: int, bias, out_dtype) -> torch.T
 
 def inner_values(op: NVFP4Operand) -> torch.Tensor:
     """The fp16 inner values of a validated operand: its own, or one dequantize pass of its codes."""
-    return op.values if op.values is not None else dequantize_inner(op, torch.float16)
+    return op.values if op.values is not None else dequantize_valid(op, torch.float16)
 
 
 def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,

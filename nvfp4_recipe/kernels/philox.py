@@ -1,14 +1,18 @@
-"""Philox-4x32-10 and the stochastic-rounding bits of 16-element blocks (spec item 6).
+"""Philox-4x32-10 and the stochastic-rounding bits of 16-element blocks (spec item 6), and the
+kernel that draws a backward's Philox key from a layer's SR counters.
 
 The same stream as ``tl.randint4x`` and ``reference.philox4x32`` for a uint32 counter, so that the
 kernels' SR bits equal the reference's on CPU and GPU (Salmon et al., "Parallel random numbers: as
 easy as 1, 2, 3", SC 2011).
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from .runtime import Launcher
 from .tiles import join16
+
 
 @triton.jit
 def _mul_wide(a, b: tl.constexpr):
@@ -52,3 +56,23 @@ def bits16(seed, counter):
                    w1 & 0xFF, (w1 >> 8) & 0xFF, (w1 >> 16) & 0xFF, w1 >> 24,
                    w2 & 0xFF, (w2 >> 8) & 0xFF, (w2 >> 16) & 0xFF, w2 >> 24,
                    w3 & 0xFF, (w3 >> 8) & 0xFF, (w3 >> 16) & 0xFF, w3 >> 24))
+
+
+@triton.jit
+def _next_key_kernel(seed_ptr, step_ptr, key_ptr, rank):
+    step = tl.load(step_ptr)
+    tl.store(key_ptr, tl.load(seed_ptr) + rank + (step << 32))
+    tl.store(step_ptr, step + 1)
+
+
+_NEXT_KEY = Launcher(_next_key_kernel)
+
+
+def next_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int) -> torch.Tensor:
+    """``sr_seed + sr_rank + (sr_step << 32)`` as a new int64 device scalar, and ``sr_step`` advanced
+    by one in place, in one launch (the key of ``linear.sr_key`` and the counter's advance, which
+    as torch ops take two or three). ``sr_seed``, ``sr_step``: int64 () tensors on one device
+    (CUDA, or the CPU under the interpreter)."""
+    key = torch.empty((), dtype=torch.int64, device=sr_step.device)
+    _NEXT_KEY[(1,)](sr_seed, sr_step, key, sr_rank)
+    return key

@@ -132,13 +132,16 @@ def scalar_arg(arg, IS_PTR: tl.constexpr):
         return arg
 
 
+_TENSOR = torch.Tensor
+
+
 def launch_key(args: tuple, kwargs: dict) -> tuple:
     """The :class:`Launcher` cache key of a launch: per tensor argument its dtype, 16-byte alignment
     and device (what Triton specializes a binary on; binaries are per device), every other
     argument by type and value (finer than Triton's specialization of ints, which also makes an
     autotuner's key arguments exact), then the keyword constexprs. One comprehension: it runs on
     every launch."""
-    key = tuple([(a.dtype, a.data_ptr() % 16 == 0, a.get_device()) if isinstance(a, torch.Tensor)
+    key = tuple([(a.dtype, not a.data_ptr() & 15, a.get_device()) if isinstance(a, _TENSOR)
                  else (type(a), a) for a in args])
     return key + tuple(kwargs.items()) if kwargs else key
 
