@@ -65,15 +65,16 @@ def test_cached_launches_match_the_reference():
         assert_same(got, quantize(x, sp, seed=step, offset=16 * step))
 
 
-def test_ensure_allocator_sets_one_per_thread_and_keeps_the_users():
-    """Triton keeps its allocator in a ContextVar: a thread without one (autograd's backward
-    thread) gets the package's, which hands out torch scratch; a user's allocator stays."""
+def test_every_thread_gets_the_scratch_allocator_and_keeps_its_own():
+    """Triton keeps its allocator in a ContextVar: a thread that sets none (autograd's backward
+    thread, the one where aot_eager launches traced kernels) gets the package's, which hands out
+    torch scratch; an allocator a thread sets is its own and stays."""
     import threading
 
     import triton
     from triton.runtime import _allocation
 
-    from nvfp4_recipe.kernels.runtime import _scratch, ensure_allocator
+    from nvfp4_recipe.kernels.runtime import _scratch
 
     def fresh_thread(fn):
         out = {}
@@ -82,21 +83,17 @@ def test_ensure_allocator_sets_one_per_thread_and_keeps_the_users():
         t.join()
         return out["result"]
 
-    def set_in_fresh_thread():
-        assert _allocation._allocator.get() is _allocation._NULL_ALLOCATOR
-        ensure_allocator()
+    assert fresh_thread(_allocation._allocator.get) is _scratch
+
+    def mine(size, align, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    def set_mine():
+        triton.set_allocator(mine)
         return _allocation._allocator.get()
 
-    assert fresh_thread(set_in_fresh_thread) is _scratch
-
-    def users_kept():
-        def mine(size, align, stream):
-            return torch.empty(size, dtype=torch.int8)
-        triton.set_allocator(mine)
-        ensure_allocator()
-        return _allocation._allocator.get() is mine
-
-    assert fresh_thread(users_kept)
+    assert fresh_thread(set_mine) is mine
+    assert fresh_thread(_allocation._allocator.get) is _scratch  # another thread: not mine
     if torch.cuda.is_available():
         buf = _scratch(384, 128, None)
         assert buf.numel() == 384 and buf.is_cuda and buf.data_ptr() % 128 == 0

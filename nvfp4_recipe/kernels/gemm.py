@@ -128,7 +128,7 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
               stride_o, HAS_BIAS)
 
 
-_GEMM, _EPILOGUE = Launcher(_gemm_kernel, scratch=True), Launcher(_epilogue_kernel)
+_GEMM, _EPILOGUE = Launcher(_gemm_kernel), Launcher(_epilogue_kernel)
 
 
 # ----------------------------------------------------------------------------------------------

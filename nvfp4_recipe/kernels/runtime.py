@@ -11,6 +11,7 @@ Imports nothing from the package.
 
 import functools
 import os
+from contextvars import ContextVar
 from typing import Callable, Dict, Tuple, Union
 
 import torch
@@ -153,12 +154,21 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def ensure_allocator() -> None:
-    """Give Triton an allocator for kernels that need global scratch (device-side TMA descriptors)
-    unless one is set. Triton keeps it in a ContextVar, so each thread needs its own (autograd runs
-    CUDA backward passes on its own thread); a user's allocator is kept."""
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_scratch)
+def _install_default_allocator() -> None:
+    """Make :func:`_scratch` the Triton allocator of every thread that sets none. Triton keeps its
+    allocator in a ContextVar whose default raises, so a thread that never set one cannot launch a
+    kernel that needs global scratch (the GEMM's device-side TMA descriptors): autograd's backward
+    thread, or the thread where torch.compile's aot_eager backend launches the traced kernels
+    itself. The ContextVar is replaced by one with that default; an allocator the importing thread
+    had set is carried over, and ``triton.set_allocator`` still gives a thread its own."""
+    old = _allocation._allocator
+    new = ContextVar("_allocator", default=_scratch)
+    if old.get() is not _allocation._NULL_ALLOCATOR:
+        new.set(old.get())
+    _allocation._allocator = new
+
+
+_install_default_allocator()
 
 
 def _launch_hooks() -> bool:
@@ -183,15 +193,14 @@ class Launcher:
     launch goes through Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then
     compiles, tunes and launches the kernel from its own code). Positional arguments are the
     kernel's leading parameters; keyword arguments are constexprs or launch options (``num_warps``).
-    ``scratch``: the kernel needs global scratch (it makes TMA descriptors), so Triton must have an
-    allocator (:func:`ensure_allocator`; Inductor sets its own for the launches it records).
+    A kernel that needs global scratch gets it from torch's allocator
+    (:func:`_install_default_allocator`).
     """
 
     MAX_KEYS = 4096
 
-    def __init__(self, kernel, scratch: bool = False):
+    def __init__(self, kernel):
         self.kernel = kernel
-        self._needs_scratch = scratch
         self._cache: Dict[tuple, tuple] = {}
         if not interpreting():  # the interpreter's kernels have no parameter list to read
             jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
@@ -205,8 +214,6 @@ class Launcher:
             return wrap_triton(self.kernel)[grid](*args, **kwargs)
         if interpreting():
             return self.kernel[grid](*args, **kwargs)
-        if self._needs_scratch:
-            ensure_allocator()
         key = launch_key(args, kwargs)
         hit = self._cache.get(key)
         if hit is None or _launch_hooks():  # profilers (proton) see launches through Triton
