@@ -1,6 +1,8 @@
 """kernels/runtime.py: the launch cache keys on what Triton specializes on, and a cached launch
 computes what a launch through Triton computes (new data, other alignments, another stream)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -97,3 +99,34 @@ def test_every_thread_gets_the_scratch_allocator_and_keeps_its_own():
     if torch.cuda.is_available():
         buf = _scratch(384, 128, None)
         assert buf.numel() == 384 and buf.is_cuda and buf.data_ptr() % 128 == 0
+
+
+@pytest.mark.multigpu
+def test_cuda_kernels_run_on_the_tensors_gpu_not_the_current_one():
+    """A layer on cuda:1 while cuda:0 is current (a model split over GPUs in one process, as
+    Hugging Face's device_map does): every kernel launches on cuda:1, first launch and cached
+    ones, and gives the bits it gives with cuda:1 current."""
+    from torch import nn
+
+    from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
+
+    torch.manual_seed(3)
+    base = nn.Linear(256, 128)
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    dy = torch.randn(64, 128, dtype=torch.bfloat16)
+
+    def run(current: int):
+        layer = NVFP4Linear.from_linear(copy.deepcopy(base).to("cuda:1"), NVFP4Recipe())
+        xi = x.to("cuda:1").requires_grad_()
+        with torch.cuda.device(current):
+            outs = []
+            for _ in range(2):  # the second step takes the cached binaries
+                y = layer(xi)
+                y.backward(dy.to("cuda:1"))
+                outs += [y.detach().cpu(), xi.grad.cpu(), layer.weight.grad.cpu()]
+                xi.grad = layer.weight.grad = None
+            torch.cuda.synchronize(1)
+        return outs
+
+    for got, want in zip(run(0), run(1)):
+        assert torch.equal(got, want)

@@ -178,6 +178,11 @@ def _launch_hooks() -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
+def _tensor_device(args: tuple) -> int:
+    """The CUDA device index of the first tensor among a launch's arguments."""
+    return next(a.get_device() for a in args if isinstance(a, _TENSOR))
+
+
 class Launcher:
     """Launches a ``@triton.jit`` kernel, autotuned or not, through a cache of its compiled binaries.
 
@@ -194,7 +199,8 @@ class Launcher:
     compiles, tunes and launches the kernel from its own code). Positional arguments are the
     kernel's leading parameters; keyword arguments are constexprs or launch options (``num_warps``).
     A kernel that needs global scratch gets it from torch's allocator
-    (:func:`_install_default_allocator`).
+    (:func:`_install_default_allocator`). Tensors on another GPU than the current one (a model
+    split over GPUs in one process) are launched on their own device, as torch's operators are.
     """
 
     MAX_KEYS = 4096
@@ -216,6 +222,15 @@ class Launcher:
             return self.kernel[grid](*args, **kwargs)
         key = launch_key(args, kwargs)
         hit = self._cache.get(key)
+        device = hit[3] if hit is not None else _tensor_device(args)
+        if device != torch._C._cuda_getDevice():  # Triton launches on the current device
+            with torch.cuda.device(device):
+                return self._launch_cached(key, hit, grid, args, kwargs)
+        return self._launch_cached(key, hit, grid, args, kwargs)
+
+    def _launch_cached(self, key, hit, grid, args, kwargs):
+        """The launch on the current device, which holds the tensors: the cached binary, or
+        :meth:`_first_launch` for a new key."""
         if hit is None or _launch_hooks():  # profilers (proton) see launches through Triton
             return self._first_launch(key, grid, args, kwargs)
         compiled, tail, meta, device = hit
@@ -235,7 +250,7 @@ class Launcher:
         meta = dict(config.kwargs) if config is not None else {}
         values = {**kwargs, **meta}
         tail = tuple(values[name] for name in self._names[len(args):])
-        device = next(a.get_device() for a in args if isinstance(a, torch.Tensor))
+        device = _tensor_device(args)
         compiled.run  # loads the binary (CompiledKernel._init_handles) before the direct calls
         if len(self._cache) >= self.MAX_KEYS:
             self._cache.clear()
