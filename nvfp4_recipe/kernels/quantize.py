@@ -36,7 +36,8 @@ from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_t
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
-from .runtime import Launcher, cdiv, inner_values_supported, interpreting, prune_wide_tiles, scalar, scalar_arg
+from .runtime import (Launcher, cdiv, inner_values_supported, interpreting, prune_wide_tiles, scalar,
+                      scalar_arg)
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
 
 IntOrTensor = Union[int, torch.Tensor]
