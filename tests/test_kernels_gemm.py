@@ -25,6 +25,7 @@ elementwise, where delta is the sum of the first two terms; |A| @ |B|^T is compu
 
 import os
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -152,6 +153,22 @@ def test_bound_rejects_a_missing_block(out_dtype):
     wrong = R.scaled_mm(a_cut, b, out_dtype=out_dtype)
     with pytest.raises(AssertionError, match="exceeds the bound"):
         assert_matches_reference(wrong, a, b, None, out_dtype)
+
+
+def test_default_method_rule():
+    """On sm90+ the Triton GEMM, except for outputs with fewer tiles than SMs and K >= SPLIT_K_MIN
+    (cuBLAS splits that K); cuBLAS before sm90. Evaluated with a stand-in 132-SM sm90 GPU."""
+    cuda = torch.device("cuda")
+    small = (256, 512)  # 2 x 2 tiles of 128 x 256
+    with mock.patch.object(G, "interpreting", lambda: False), \
+            mock.patch.object(G, "num_sms", lambda d: 132):
+        with mock.patch.object(G, "capability", lambda d: (9, 0)):
+            assert G.default_method(*small, G.SPLIT_K_MIN - 16, cuda) == "triton"
+            assert G.default_method(*small, G.SPLIT_K_MIN, cuda) == "cublas"
+            assert G.default_method(16384, 4096, 32768, cuda) == "triton"  # 512 tiles
+        with mock.patch.object(G, "capability", lambda d: (8, 9)):
+            assert G.default_method(16384, 4096, 1024, cuda) == "cublas"
+    assert G.default_method(16384, 4096, 1024, torch.device("cpu")) == "cublas"
 
 
 def test_default_method_and_float4_dtype():
