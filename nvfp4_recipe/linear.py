@@ -185,14 +185,18 @@ class _NVFP4LinearFn(torch.autograd.Function):
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         none3 = (None, None, None)
-        ctx.save_for_backward(*(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs,
-                              sr_seed, sr_step)
+        ctx.save_for_backward(*(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs)
+        # the SR counters are read in backward as they are then, not as saved: every backward
+        # advances sr_step, which a saved tensor's version check would refuse when the layer runs
+        # twice before one backward (shared weights, a loop over the layer)
+        ctx.sr = (sr_seed, sr_step)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved = ctx.saved_tensors
-        signs, sr_seed, sr_step = saved[6:]
+        signs = saved[6]
+        sr_seed, sr_step = ctx.sr
         w_block = Block.D2 if ctx.recipe.weight_2d else Block.D1
         wt = NVFP4Operand(*saved[0:3], w_block) if saved[0] is not None else None
         xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None else None

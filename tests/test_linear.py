@@ -82,6 +82,33 @@ def test_sr_step_advances_and_changes_gradients():
     assert int(layer.sr_step) == 2
 
 
+def check_layer_twice_before_backward(device):
+    """One layer run twice in one graph (shared weights, a loop over the layer) and one backward:
+    each of its two backwards draws its own SR stream from sr_step as it is then (the later call's
+    backward runs first, with step 0) and advances it; the counters are no saved tensors whose
+    version check would refuse the first advance."""
+    torch.manual_seed(5)
+    layer = NVFP4Linear(64, 48, layer_seed=2).to(device)
+    x1, x2 = (torch.randn(32, 64, device=device, requires_grad=True) for _ in range(2))
+    dy1, dy2 = torch.randn(32, 48, device=device), torch.randn(32, 48, device=device)
+    torch.autograd.backward([layer(x1), layer(x2)], [dy1, dy2])
+    assert int(layer.sr_step) == 2
+    cpu = layer.cpu()
+    _, dx2, dw2 = emulate(cpu, x2.detach().cpu(), dy2.cpu(), step=0)
+    _, dx1, dw1 = emulate(cpu, x1.detach().cpu(), dy1.cpu(), step=1)
+    assert rel(x1.grad.cpu(), dx1) < 1e-6 and rel(x2.grad.cpu(), dx2) < 1e-6
+    assert rel(layer.weight.grad.cpu(), dw1 + dw2) < 1e-6
+
+
+def test_layer_twice_before_one_backward():
+    check_layer_twice_before_backward("cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_layer_twice_before_one_backward(device):
+    check_layer_twice_before_backward(device)
+
+
 def check_next_sr_key(draw, device):
     """``draw(seed, step, rank)`` returns sr_key's value of the counters before the call and
     advances the step by one, for random 32-bit seeds and steps up to 2**31 (whose << 32 wraps
