@@ -181,7 +181,8 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
 
 
 def _size(mode: int, n: int) -> int:
-    return {NONE: 0, TENSOR: 1}.get(mode, n)
+    """Values an output of ``mode`` holds for a dimension of n."""
+    return 0 if mode == NONE else 1 if mode == TENSOR else n
 
 
 def _part(out: torch.Tensor, start: int, size: int, mode: int) -> torch.Tensor:
