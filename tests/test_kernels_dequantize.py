@@ -22,6 +22,17 @@ def test_dequantize_inner_is_exact(block, out_dtype):
                                                                          scale=op.scale.cpu())))
 
 
+def test_dequantize_inner_needs_no_outer_scale():
+    """Inner values do not involve the outer scale: an operand without one (what the grouped
+    GEMMs pass for all experts' stacked codes) dequantizes, with the codes still checked."""
+    gen = torch.Generator().manual_seed(3)
+    op = random_operand(32, 96, "1d", device=DEV, gen=gen)
+    ref = R.dequantize_inner(op._replace(qdata=op.qdata.cpu(), scale=op.scale.cpu()))
+    assert torch.equal(dequantize_inner(op._replace(outer_scale=None), torch.float32).cpu(), ref)
+    with pytest.raises(ValueError, match="block scales"):
+        dequantize_inner(op._replace(scale=op.scale[:, :-1], outer_scale=None))
+
+
 def test_dequantize_of_an_empty_operand():
     op = random_operand(0, 64)
     assert dequantize_inner(op).shape == (0, 64)

@@ -176,9 +176,10 @@ def check_outer(name: str, outer: torch.Tensor, rows: int, device: torch.device)
     return outer.contiguous()
 
 
-def check_codes(name: str, op: NVFP4Operand) -> NVFP4Operand:
-    """Validate an operand's codes, block scales and outer scale; returns it with qdata viewed as
-    uint8, the block as a :class:`Block` and the outer scale contiguous.
+def check_codes(name: str, op: NVFP4Operand, outer: bool = True) -> NVFP4Operand:
+    """Validate an operand's codes, block scales and (``outer``) outer scale; returns it with qdata
+    viewed as uint8, the block as a :class:`Block` and the outer scale contiguous. With ``outer``
+    False the outer scale is neither checked nor needed (a dequantize to inner values).
 
     Raises:
         TypeError: qdata not uint8/float4_e2m1fn_x2, scale not float8_e4m3fn, outer not float32.
@@ -217,8 +218,9 @@ def check_codes(name: str, op: NVFP4Operand) -> NVFP4Operand:
                              f"{t.stride()}; the GEMM never transposes quantized data")
         if t.device != qdata.device:
             raise ValueError(f"{name}: {what} is on {t.device}, qdata on {qdata.device}")
-    outer = check_outer(name, op.outer_scale, rows, qdata.device)
-    return op._replace(qdata=qdata, outer_scale=outer, block=block)
+    if outer:
+        op = op._replace(outer_scale=check_outer(name, op.outer_scale, rows, qdata.device))
+    return op._replace(qdata=qdata, block=block)
 
 
 DEQUANT_CONFIG = dict(BR=32, BK=256, num_warps=4)
@@ -255,15 +257,15 @@ def dequantize_inner(op: NVFP4Operand, out_dtype: torch.dtype = torch.bfloat16,
     Args:
         op: an :class:`NVFP4Operand` with codes: qdata (rows, K/2) uint8 or float4_e2m1fn_x2,
             contiguous along K; scale float8_e4m3fn (rows, K/16) for Block.D1, (rows/16, K/16)
-            for Block.D2.
+            for Block.D2; its outer scale is not used (it may be None).
         out_dtype: bfloat16, float16 or float32; exact in each (the values are 0 or between 2**-10
             and 2688 in magnitude with at most 5 significant bits).
         cfg: a tile config (benchmarks), default DEQUANT_CONFIG.
     Raises:
-        TypeError, ValueError: see :func:`check_codes`; ValueError for CPU tensors outside the
-            interpreter.
+        TypeError, ValueError: see :func:`check_codes` (outer=False); ValueError for CPU tensors
+            outside the interpreter.
     """
-    op = check_codes("operand", op)
+    op = check_codes("operand", op, outer=False)
     check_runnable(op.qdata.device)
     return dequantize_valid(op, out_dtype, cfg)
 

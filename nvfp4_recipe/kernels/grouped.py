@@ -618,11 +618,11 @@ _INTERP_GROUPED_GEMM_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, 
 
 
 def stacked_codes(op: NVFP4Operand) -> NVFP4Operand:
-    """The codes of a stacked per-expert operand (qdata (G, R, C/2)) as one (G R, C) operand, for a
-    dequantize pass of all experts (its outer scale is unused there)."""
+    """The codes of a stacked per-expert operand (qdata (G, R, C/2)) as one (G R, C) operand with
+    no outer scale, for a dequantize pass of all experts to inner values."""
     n_groups, rows, half = op.qdata.shape
-    return NVFP4Operand(op.qdata.reshape(n_groups * rows, half), op.scale.flatten(0, 1),
-                        op.outer_scale.new_ones(()), op.block)
+    return NVFP4Operand(op.qdata.reshape(n_groups * rows, half), op.scale.flatten(0, 1), None,
+                        op.block)
 
 
 def expert_inner(op: NVFP4Operand) -> torch.Tensor:
@@ -638,7 +638,7 @@ def _inner(op: NVFP4Operand) -> torch.Tensor:
     """The fp16 inner values of a 2-D operand (one dequantize pass unless it has them)."""
     if op.values is not None:
         return op.values
-    return dequantize_inner(op._replace(outer_scale=op.outer_scale.new_ones(())), torch.float16)
+    return dequantize_inner(op, torch.float16)
 
 
 def _outer_shape(op: GroupedOperand) -> Tuple[int, ...]:

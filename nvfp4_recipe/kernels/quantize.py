@@ -517,15 +517,15 @@ def dequantize_job(dequantize, x: torch.Tensor):
         return (x, x, x, 0, 0, 0, 0, 0), dict(D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True,
                                                D_PTX=False)
     op, out = dequantize
-    op = check_codes("dequantize", op)
+    op = check_codes("dequantize", op, outer=False)
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"dequantize: out must be float16, bfloat16 or float32, got {out.dtype}")
     if tuple(out.shape) != (op.rows, op.k) or (op.k > 1 and out.stride(1) != 1):
         raise ValueError(f"dequantize: out must be ({op.rows}, {op.k}) with unit stride along K, "
                          f"got {tuple(out.shape)} with strides {out.stride()}")
-    if op.device != x.device or out.device != x.device:
-        raise ValueError(f"dequantize: its tensors are on {op.device} and {out.device}, x on "
-                         f"{x.device}")
+    if op.qdata.device != x.device or out.device != x.device:
+        raise ValueError(f"dequantize: its tensors are on {op.qdata.device} and {out.device}, x "
+                         f"on {x.device}")
     args, consts, _ = dequant_job(op, out)
     return args, {f"D_{k}": v for k, v in consts.items()}
 
