@@ -33,7 +33,7 @@ GEMM = dict(a_ptr="*fp16", b_ptr="*fp16", offs_ptr="*i32", sa_ptr="*fp32", sb_pt
             **const("ALONG_K", "TMA", "INTERP", "BM", "BN", "BK", "GROUP_M", "NUM_PROGRAMS"))
 GEMM_TMA = dict(GEMM, a_ptr="tensordesc<fp16[128, 64]>", b_ptr="tensordesc<fp16[128, 64]>")
 AMAX = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="*i32", G=I32,
-            signs_ptr="*fp32", row_ptr="*i32", col_ptr="*i32",
+            signs_ptr="*fp32", out_ptr="*fp32", col_off=I32,
             **const("ROW", "COL", "COL_RHT", "GP", "BB", "BC", "P"))
 FLAGS = ("ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT", "ROW_INNER", "COL", "COL_RHT", "COL_SR",
          "COL_PER_TOKEN", "COL_MULT", "COL_INNER")

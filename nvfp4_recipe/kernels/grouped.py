@@ -114,17 +114,20 @@ def _fold_groups(acc, m, g, GP: tl.constexpr):
 @triton.autotune(configs=_amax_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "GP"],
                  prune_configs_by=_PRUNE)
 @triton.jit
-def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, row_ptr, col_ptr,
+def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, out_ptr, col_off,
                          ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
                          GP: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
-    """Group maxima of x as int32 bits of |x|, a persistent grid over (16 BB, 16 BC) tiles read as
-    column blocks (16 tokens of one column in a thread's registers, the blocks of the columnwise
-    copy): ROW per group (G,) or per row (M,); COL of x or of its RHT along the tokens (COL_RHT),
-    per group (G,) or per group and column (G, K). Per-group maxima are folded in registers, one
-    slot per group (GP >= G slots), and go out with one atomic max per group and program at the
-    end: atomics on the same few addresses from every tile measured half the dense amax's
-    bandwidth. Per-index maxima take one atomic per element and tile. Token blocks past the last
-    group are skipped."""
+    """Group maxima of |x|, a persistent grid over (16 BB, 16 BC) tiles read as column blocks (16
+    tokens of one column in a thread's registers, the blocks of the columnwise copy): ROW per group
+    (G,) or per row (M,) from ``out_ptr``; COL of x or of its RHT along the tokens (COL_RHT), per
+    group (G,) or per group and column (G, K) from ``out_ptr + col_off``; the fp32 output taken as
+    int32 bits (atomic max on the bits), as ``amax._amax_kernel``. Per-group maxima are folded in
+    registers, one slot per group (GP >= G slots), and go out with one atomic max per group and
+    program at the end: atomics on the same few addresses from every tile measured half the dense
+    amax's bandwidth. Per-index maxima take one atomic per element and tile. Token blocks past the
+    last group are skipped."""
+    row_ptr = out_ptr.to(tl.pointer_type(tl.int32))
+    col_ptr = row_ptr + col_off
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT else None
     row_acc = tl.zeros((GP,), dtype=tl.int32)
     col_acc = tl.zeros((GP,), dtype=tl.int32)
@@ -167,6 +170,11 @@ def _amax_mode(spec: Optional[QuantSpec]) -> int:
     return PER_INDEX if spec.per_token else PER_GROUP
 
 
+def _slots(mode: int, n_groups: int, n_index: int) -> int:
+    """Values an amax output of ``mode`` holds: none, one per group, or ``n_index``."""
+    return 0 if mode == NONE else n_groups if mode == PER_GROUP else n_index
+
+
 def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpec],
                       col: Optional[QuantSpec], signs: Optional[torch.Tensor] = None):
     """The amaxes :func:`quantize_grouped` needs for copies ``row`` and ``col`` of x, from one read:
@@ -180,22 +188,18 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
     shared = r_mode == PER_GROUP and c_mode == PER_GROUP and not col_rht
     if shared:  # one per-group amax of x serves both copies
         c_mode = NONE
-    sizes = {NONE: 0, PER_GROUP: n_groups}
-    n_row = sizes.get(r_mode, m)
-    n_col = sizes.get(c_mode, n_groups * k)
-    buf = torch.zeros(n_row + n_col, dtype=torch.int32, device=x.device)
-    row_buf, col_buf = buf[:n_row], buf[n_row:]
+    n_row, n_col = _slots(r_mode, n_groups, m), _slots(c_mode, n_groups, n_groups * k)
+    out = torch.zeros(n_row + n_col, dtype=torch.float32, device=x.device)
     sms = num_sms(x.device)
     grid = lambda meta: (min(cdiv(m, 16 * meta["BB"]) * cdiv(k, 16 * meta["BC"]),
                              sms * meta["P"]),)
     if m and k and n_groups:
         _grouped_amax_kernel[grid](x, m, k, x.stride(0), x.stride(1), offs, n_groups,
-                                   signs if col_rht else buf, row_buf, col_buf,
+                                   signs if col_rht else out, out, n_row,
                                    ROW=r_mode, COL=c_mode, COL_RHT=col_rht,
                                    GP=next_pow2(n_groups))
-    row_amax = row_buf.view(torch.float32) if row else None
-    col_amax = col_buf.view(torch.float32).reshape(n_groups, k) if c_mode == PER_INDEX else \
-        col_buf.view(torch.float32)
+    row_amax = out[:n_row] if row else None
+    col_amax = out[n_row:].view(n_groups, k) if c_mode == PER_INDEX else out[n_row:]
     if shared:
         col_amax = row_amax if row else None
     return row_amax, (col_amax if col else None)
