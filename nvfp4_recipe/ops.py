@@ -70,13 +70,24 @@ def _empty_codes(rows: int, k: int, block: Block, per_token: bool, like: torch.T
             like.new_empty((rows,) if per_token else (), dtype=torch.float32)]
 
 
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an ``as_strided`` view of its own storage while torch.compile traces (else ``t``).
+
+    The layer's input is usually a reshape of a fused elementwise result (the RMSNorm or GELU
+    before it, reshaped to (M, K)). Inductor gives each kernel argument that reads such a reshape a
+    buffer of its own, all written by the producer's kernel: five copies for the amax pass and the
+    activation pair. An ``as_strided`` view makes Inductor store the producer's result once and
+    pass that buffer to every kernel, as for the input of a bf16 matmul."""
+    return t.as_strided(t.shape, t.stride(), t.storage_offset()) if tracing() else t
+
+
 def _fprop_body(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 signs: torch.Tensor, weight_2d: bool, per_token: bool, rht: bool, sr: bool,
                 amax_x: Optional[float], amax_dy: Optional[float], out_dtype: torch.dtype,
                 need_wt: bool, need_xt: bool, backend: str) -> List[torch.Tensor]:
     from .linear import linear_fprop
     recipe = _recipe(weight_2d, per_token, rht, sr, amax_x, amax_dy)
-    y, wt, xt = linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs,
+    y, wt, xt = linear_fprop(get_backend(backend, x.device), _stored(x), weight, bias, recipe, signs,
                              out_dtype, need_wt, need_xt)
     return [y] + _codes(wt, xt)
 
@@ -104,7 +115,7 @@ def _grads_body(dy: torch.Tensor, wt_qdata: Optional[torch.Tensor],
     wt = None if wt_qdata is None else NVFP4Operand(wt_qdata, wt_scale, wt_outer,
                                                     Block.D2 if weight_2d else Block.D1)
     xt = None if xt_qdata is None else NVFP4Operand(xt_qdata, xt_scale, xt_outer)
-    dx, dw = linear_grads(get_backend(backend, dy.device), dy, wt, xt, recipe, signs, seed,
+    dx, dw = linear_grads(get_backend(backend, dy.device), _stored(dy), wt, xt, recipe, signs, seed,
                           dx_dtype, dw_dtype)
     return [t for t in (dx, dw) if t is not None]
 

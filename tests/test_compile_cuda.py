@@ -1,6 +1,7 @@
 """torch.compile and CUDA graphs of NVFP4 training on a GPU (the Triton backend)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -121,3 +122,40 @@ def test_inductor_launches_the_layers_triton_kernels_itself(device):
         assert kernel in code, kernel
     for a, b in zip(grads(model), grads(ref)):
         assert float((a - b).norm() / b.norm()) < 2e-3
+
+
+def _inductor_kernels(code: str) -> dict:
+    """{name: source} of the Triton kernels Inductor generated, from its output code."""
+    return dict(re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code, re.DOTALL))
+
+
+def test_inductor_stores_the_layers_input_once(device):
+    """The input of an NVFP4Linear is a reshape of a fused elementwise result (RMSNorm, GELU),
+    read by the amax pass and the quantize pair. Inductor must store that result once, as before
+    a bf16 matmul: it gave every kernel argument reading such a reshape a copy of its own (the
+    GELU kernel wrote 5, the RMSNorm kernel 6 outputs) until the layer's operators passed their
+    input as an ``as_strided`` view (ops._stored)."""
+    from torch._inductor.utils import run_and_get_code
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.norm = nn.RMSNorm(d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x):
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+    torch.manual_seed(0)
+    model = quantize_(Block(256).to(device), NVFP4Recipe())
+    x = torch.randn(4, 128, 256, device=device, requires_grad=True)
+    step = lambda: torch.compile(model)(x).square().mean().backward()
+    _, code = run_and_get_code(step)
+    kernels = _inductor_kernels("\n".join(code))
+    forward = {name: src for name, src in kernels.items()
+               if ("gelu" in name or "rms_norm" in name) and "backward" not in name}
+    assert any("gelu" in name for name in forward) and any("rms_norm" in name for name in forward)
+    for name, src in forward.items():
+        # GELU: its result; RMSNorm: its result and the saved 1/rms
+        assert src.count("tl.store(") == (1 if "gelu" in name else 2), (name, src)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
