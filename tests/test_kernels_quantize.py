@@ -42,6 +42,7 @@ def check_pair(x, row, col, inner=(False, False), seed=0, row_offset=0, col_offs
     (spec(scaling="per_token", rounding="sr"), (48, 64), torch.bfloat16),
     (spec(rounding="sr", rht=True), (40, 48), torch.float32),  # rowwise RHT, M not a multiple of 16
     (spec(scaling="per_token", rht=True, amax_scale=1.37), (32, 48), torch.float16),
+    (spec(scaling="per_token", rht=True), (48, 208), torch.bfloat16),  # per-row RHT amax, loop tiles
 ], ids=idfn)
 def test_rowwise_matches_reference(sp, shape, dtype):
     check_pair(rand(shape, dtype), sp, None, seed=11, row_offset=5, signs=signs_for())
@@ -62,10 +63,20 @@ def test_pair_matches_reference(name, row, col, inner):
                col_offset=2**31, signs=signs_for())
 
 
-@pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr")], ids=idfn)
+@pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr"),
+                                spec(rounding="sr", rht=True)], ids=idfn)
 def test_inner_rowwise_only(sp):
     """The rowwise-only (prefetch loop) kernel with inner values."""
-    check_pair(rand((40, 208), torch.float32, seed=6), sp, None, (True, False), seed=3, row_offset=9)
+    check_pair(rand((40, 208), torch.float32, seed=6), sp, None, (True, False), seed=3, row_offset=9,
+               signs=signs_for())
+
+
+def test_rowwise_rht_with_a_columnwise_copy():
+    """An RHT along K runs in the rowwise-only kernel, so a call that also asks for a columnwise
+    copy makes it in a second pass; both equal the reference's."""
+    sp = spec(rounding="sr", rht=True)
+    check_pair(rand((48, 80), seed=13), sp, sp, (False, True), seed=4, row_offset=1,
+               col_offset=2**31, signs=signs_for())
 
 
 @pytest.mark.parametrize("sp", [spec(block="2d"), spec(block="2d", rounding="sr", amax_scale=0.75)], ids=idfn)
@@ -187,7 +198,8 @@ def test_cuda_dequantize_rider(device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("sp,dtype", [(spec(), torch.float32),
                                       (spec(scaling="per_token", rounding="sr"), torch.bfloat16),
-                                      (spec(rounding="sr", rht=True, amax_scale=1.5), torch.float16)],
+                                      (spec(rounding="sr", rht=True, amax_scale=1.5), torch.float16),
+                                      (spec(scaling="per_token", rounding="sr", rht=True), torch.bfloat16)],
                          ids=idfn)
 def test_cuda_quantize(sp, dtype, device):
     x = rand((16400, 4112), dtype, device=device, seed=7)

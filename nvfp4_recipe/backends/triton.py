@@ -56,7 +56,7 @@ def _reduced_amaxes(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[Qua
 
 def _one_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec]) -> bool:
     """Whether ``quantize_1d`` makes the copies in one pass: a 2-D x, 1d blocks, no RHT along the
-    rowwise copy (None: no such copy)."""
+    rowwise copy (None: no such copy; an RHT along K runs in the rowwise-only kernel)."""
     return (x.dim() == 2 and (row is None or (row.block is Block.D1 and not row.rht))
             and (col is None or col.block is Block.D1))
 
@@ -88,11 +88,8 @@ class TritonBackend(Backend):
             return self._columnwise(x.t(), spec, seed, offset, signs, amax_reduce)
         lead, (m, k) = x.shape[:-2], x.shape[-2:]
         x2 = x.reshape(-1, k)
-        if spec.rht:  # quantize_1d runs a rowwise RHT copy as the columnwise copy of x^T
-            q = self._columnwise(x2.t(), spec, seed, offset, signs, amax_reduce)
-        else:
-            q = quantize_1d(x2, row=spec, seed=seed, row_offset=offset, signs=signs,
-                            amaxes=_reduced_amaxes(x2, spec, None, signs, (amax_reduce, None)))[0]
+        q = quantize_1d(x2, row=spec, seed=seed, row_offset=offset, signs=signs,
+                        amaxes=_reduced_amaxes(x2, spec, None, signs, (amax_reduce, None)))[0]
         outer = q.outer_scale.reshape(*lead, m) if spec.per_token else q.outer_scale
         return q._replace(qdata=q.qdata.reshape(*lead, m, k // 2),
                           scale=q.scale.reshape(*lead, m, k // 16), outer_scale=outer)

@@ -1,4 +1,4 @@
-"""Amax kernels: max |x| over a tensor, per row, per column, and of the columnwise RHT output.
+"""Amax kernels: max |x| over a tensor, per row, per column, and of the RHT output along either.
 
 One kernel reads a tile of x as column blocks (16 rows of one column in a thread's registers, the
 blocks of the columnwise copy; ``tiles.load_col_blocks``) and reduces it to any of: the global
@@ -22,7 +22,7 @@ import triton.language as tl
 from .hadamard import hadamard16, hadamard16_abs_max
 from .rounding import abs_bits, round_to
 from .runtime import Launcher, cdiv, interpreting, num_sms, prune_wide_tiles
-from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks
+from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 
@@ -94,36 +94,66 @@ def _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr, ROW: t
 
 
 @triton.jit
+def _row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, PER_ROW: tl.constexpr,
+                   EXACT: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
+    """The maxima of the RHT along K over this program's tiles (those of :func:`_amax_tiles`),
+    read as row blocks (16 elements of a row in a thread's registers, where the transform runs).
+    Per-row maxima (PER_ROW) go out with one atomic per row and tile; returns the per-tensor
+    maxima folded in registers, (16 BB, BC) int32 bits."""
+    n_k = tl.cdiv(K, 16 * BC)
+    acc = tl.zeros((16 * BB, BC), dtype=tl.int32)
+    for tile in range(tl.program_id(0), tl.cdiv(M, 16 * BB) * n_k, tl.num_programs(0)):
+        m = (tile // n_k) * (16 * BB) + tl.arange(0, 16 * BB)
+        c = (tile % n_k) * BC + tl.arange(0, BC)
+        t = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)  # t[a, b, i] = x[m[a], 16 c[b] + i]
+        row_max = rht_block_max_bits(t.to(tl.float32), signs, t.dtype, EXACT)
+        if PER_ROW:
+            tl.atomic_max(row_ptr + m, tl.max(row_max, axis=1), mask=m < M)
+        acc = tl.maximum(acc, row_max)
+    return acc
+
+
+@triton.jit
 def _fold(acc):
     return tl.max(tl.max(acc, axis=1), axis=0)
 
 
-@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT"],
+@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "ROW_RHT"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
-                 BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
-    """A persistent grid over :func:`_amax_tiles`; per-tensor maxima go out once per program at
-    the end. The fp32 output holds the row maxima from ``out_ptr`` and the column maxima from
+                 ROW_RHT: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
+    """A persistent grid over :func:`_amax_tiles` (or, with ROW_RHT, :func:`_row_rht_tiles`, the
+    row maxima of the RHT along K, no column maxima); per-tensor maxima go out once per program
+    at the end. The fp32 output holds the row maxima from ``out_ptr`` and the column maxima from
     ``out_ptr + col_off``, taken as int32 bits (atomic max on the bits). A program whose RHT
     maxima reached Inf or NaN (where the folded last butterfly stage can miss an Inf - Inf) takes
     its tiles again with the full transform."""
     row_ptr = out_ptr.to(tl.pointer_type(tl.int32))
     col_ptr = row_ptr + col_off
-    signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT else None
-    row_acc, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
-                                   ROW, COL, COL_RHT, False, BB, BC)
-    col = _fold(col_acc)
-    if COL_RHT:
-        if col >= 0x7F800000:  # the bits of +Inf; NaNs above
-            _, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
-                                     0, COL, COL_RHT, True, BB, BC)
-            col = _fold(col_acc)
-    if ROW == 1:
-        tl.atomic_max(row_ptr, _fold(row_acc))
-    if COL == 1:
-        tl.atomic_max(col_ptr, col)
+    signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT or ROW_RHT else None
+    if ROW_RHT:
+        row = _fold(_row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, ROW == 2,
+                                   False, BB, BC))
+        if row >= 0x7F800000:  # the bits of +Inf; NaNs above
+            row = _fold(_row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, ROW == 2,
+                                       True, BB, BC))
+        if ROW == 1:
+            tl.atomic_max(row_ptr, row)
+    else:
+        row_acc, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
+                                       ROW, COL, COL_RHT, False, BB, BC)
+        col = _fold(col_acc)
+        if COL_RHT:
+            if col >= 0x7F800000:  # the bits of +Inf; NaNs above
+                _, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
+                                         0, COL, COL_RHT, True, BB, BC)
+                col = _fold(col_acc)
+        if ROW == 1:
+            tl.atomic_max(row_ptr, _fold(row_acc))
+        if COL == 1:
+            tl.atomic_max(col_ptr, col)
 
 
 _AMAX = Launcher(_amax_kernel)
@@ -143,7 +173,8 @@ def check_matrix(x: torch.Tensor, rows16: bool, cols16: bool) -> None:
 
 
 def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = False,
-         signs: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+         signs: Optional[torch.Tensor] = None, row_rht: bool = False,
+         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Amaxes of a matrix in one read, as fp32 device tensors (no host synchronisation).
 
     Args:
@@ -153,15 +184,20 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
         col: NONE, TENSOR or PER_INDEX (max over each column, shape (K,)), of x or, with
             ``col_rht``, of the 16-point RHT of x along M rounded to x's dtype
             (``reference.rht(x.t(), signs)``).
-        signs: (16,) fp32 +-1 RHT signs on x's device (needed with ``col_rht``).
+        signs: (16,) fp32 +-1 RHT signs on x's device (needed with ``col_rht`` or ``row_rht``).
+        row_rht: the row amax is of the 16-point RHT of x along K rounded to x's dtype
+            (``reference.rht(x, signs)``; K a multiple of 16); then ``col`` must be NONE.
     Returns:
         (row amax or None, column amax or None).
     Raises:
-        TypeError: unsupported dtype. ValueError: shape not as above, or col_rht without signs.
+        TypeError: unsupported dtype. ValueError: shape not as above, an RHT without signs, or
+            row_rht with a column amax.
     """
-    check_matrix(x, rows16=col_rht, cols16=False)
-    if col_rht and signs is None:
+    check_matrix(x, rows16=col_rht, cols16=row_rht)
+    if (col_rht or row_rht) and signs is None:
         raise ValueError("the RHT amax needs the 16 RHT signs")
+    if row_rht and col != NONE:
+        raise ValueError("the amax of the RHT along K reads row blocks: no column amax with it")
     m, k = x.shape
     n_row, n_col = _size(row, m), _size(col, k)
     if not (row or col):
@@ -173,8 +209,8 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
                           dtype=torch.float32, device=x.device)
     sms = num_sms(x.device)
     grid = lambda meta: (min(cdiv(m, 16 * meta["BB"]) * cdiv(k, 16 * meta["BC"]), sms * meta["P"]),)
-    _AMAX[grid](x, m, k, x.stride(0), x.stride(1), signs if col_rht else out, out, n_row,
-                ROW=row, COL=col, COL_RHT=col_rht)
+    _AMAX[grid](x, m, k, x.stride(0), x.stride(1), signs if col_rht or row_rht else out, out,
+                n_row, ROW=row, COL=col, COL_RHT=col_rht, ROW_RHT=row_rht)
     if not (row and col):
         return (out, None) if row else (None, out)
     return _part(out, 0, n_row, row), _part(out, n_row, n_col, col)

@@ -276,19 +276,21 @@ def ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s,
         store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
-@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER"],
+@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER", "RHT"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(
                      lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"])})
 @triton.jit
-def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_ptr, s_ptr, o_ptr,
-                          amax_ptr, mult, off_arg, SR: tl.constexpr, PER_TOKEN: tl.constexpr,
-                          MULT: tl.constexpr, INNER: tl.constexpr, SEED_PTR: tl.constexpr,
-                          OFF_PTR: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16, q_ptr,
+                          s_ptr, o_ptr, amax_ptr, mult, off_arg, SR: tl.constexpr,
+                          PER_TOKEN: tl.constexpr, MULT: tl.constexpr, INNER: tl.constexpr,
+                          RHT: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
                           BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
     """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
     than :func:`_quantize_1d_kernel`). T tiles of (16 BB, 16 BC) elements of x per program, along
     K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it quantizes the
-    current one (register double buffering: the loads of a warp overlap its arithmetic)."""
+    current one (register double buffering: the loads of a warp overlap its arithmetic). With RHT
+    the blocks go through the 16-point RHT along K first, in registers, rounded back to x's dtype
+    (item 7)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)
@@ -297,11 +299,15 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, seed_arg, mul16, q_pt
     c = pid_c * (T * BC) + tl.arange(0, BC)  # block columns of x, first tile
     s_enc6, s_dec = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
                             (pid_b == 0) & (pid_c == 0))
+    signs = tl.load(signs_ptr + tl.arange(0, 16)) if RHT else None
     x = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
     for t in range(T):
         x_next = load_row_blocks(x_ptr, m, c + BC, M, K, stride_m, stride_k, t + 1 < T)  # prefetch
-        _quantize_store(x.to(tl.float32), m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6,
-                        s_dec, seed, off, mul16, SR, INNER)
+        y = x.to(tl.float32)
+        if RHT:
+            y = round_to(rht16(y, signs), x.dtype)
+        _quantize_store(y, m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6, s_dec, seed, off,
+                        mul16, SR, INNER)
         x = x_next
         c += BC
 
@@ -431,7 +437,9 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     Args:
         x: (M, K) bfloat16/float16/float32, any strides (a transposed view reads coalesced through
             its columnwise path, see the backend). K must be a multiple of 16; M too for ``col``.
-        row: the rowwise copy, blocks along K (``reference.quantize(x, ...)``), or None.
+        row: the rowwise copy, blocks along K (``reference.quantize(x, ...)``), or None. One with
+            ``rht`` is made by the rowwise-only kernel (the RHT along K on its row blocks), so
+            with a columnwise copy too the call reads x twice.
         col: the columnwise copy, the quantization of x^T with blocks along M
             (``reference.quantize(x.t(), ...)``), or None.
         inner: per copy, write its inner values (codes x block scales, float16, exact) instead of
@@ -461,20 +469,21 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     A.check_matrix(x, rows16=col is not None, cols16=row is not None)
     if dequantize is not None and col is None:
         raise ValueError("dequantize runs in the pass that writes a columnwise copy; there is none")
-    if row is not None and row.rht:
-        # RHT along K = the columnwise path of x^T (a strided view; slower loads, same bits)
-        r = quantize_1d(x.t(), col=row, inner=(False, inner[0]), seed=seed, col_offset=row_offset,
-                        signs=signs)[1]
-        c = None if col is None else quantize_1d(x, col=col, inner=(False, inner[1]), seed=seed,
-                                                 col_offset=col_offset, signs=signs,
-                                                 dequantize=dequantize)[1]
-        return r, c
     if (row and row.rht or col and col.rht) and signs is None:
         raise ValueError("an RHT copy needs the 16 RHT signs")
+    if row is not None and row.rht and col is not None:
+        # the RHT along K runs on row blocks, in the rowwise-only kernel: two calls
+        r = quantize_1d(x, row, inner=(inner[0], False), seed=seed, row_offset=row_offset,
+                        signs=signs, amaxes=None if amaxes is None else (amaxes[0], None))[0]
+        c = quantize_1d(x, col=col, inner=(False, inner[1]), seed=seed, col_offset=col_offset,
+                        signs=signs, amaxes=None if amaxes is None else (None, amaxes[1]),
+                        dequantize=dequantize)[1]
+        return r, c
     check_inner(any(inner), x.device)
     m, k = x.shape
     dev = x.device
-    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
+    rht = bool(row and row.rht or col and col.rht)
+    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if rht else x
     row_amax, col_amax = amaxes if amaxes is not None else amax_pass(x, row, col, signs_t)
     r = empty_copy(m, k, inner[0], (m,) if row.per_token else (), dev) if row else None
     c = empty_copy(k, m, inner[1], (k,) if col.per_token else (), dev) if col else None
@@ -484,9 +493,10 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
         grid = lambda meta: (cdiv(m, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"] * meta["T"]))
         _ROWS[grid](
-            x, m, k, x.stride(0), x.stride(1), seed_a, 16, *_pointers(r), r.outer_scale, row_amax,
-            float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
-            MULT=row.amax_scale is not None, INNER=inner[0], SEED_PTR=seed_p, OFF_PTR=roff_p)
+            x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16, *_pointers(r), r.outer_scale,
+            row_amax, float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
+            MULT=row.amax_scale is not None, INNER=inner[0], RHT=row.rht, SEED_PTR=seed_p,
+            OFF_PTR=roff_p)
         return _finished(r), None
     dummy = x
     d_args, d_consts = dequantize_job(dequantize, dummy)
@@ -533,14 +543,18 @@ def dequantize_job(dequantize, x: torch.Tensor):
 def amax_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec],
               signs: Optional[torch.Tensor] = None):
     """The amaxes (before any amax_scale factor) that :func:`quantize_1d` needs for copies ``row``
-    and ``col`` of x, from one pass over x: (row amax or None, column amax or None), fp32 device
-    tensors, () or per index. The column amax is of the RHT output when ``col.rht`` and no
-    amax_scale (estimation skips that pass)."""
+    and ``col`` of x, from one pass over x (two when the rowwise copy has an RHT and there is a
+    columnwise one): (row amax or None, column amax or None), fp32 device tensors, () or per
+    index. An amax is of the RHT output when its copy has ``rht`` and no amax_scale (estimation
+    skips that pass)."""
     def mode(spec):
         if spec is None:
             return A.NONE
         return A.PER_INDEX if spec.per_token else A.TENSOR
     r_mode, c_mode = mode(row), mode(col)
+    if row and row.rht and row.amax_scale is None:  # the RHT along K: row blocks, a pass of its own
+        return (A.amax(x, r_mode, A.NONE, signs=signs, row_rht=True)[0],
+                amax_pass(x, None, col, signs)[1] if col else None)
     col_rht = bool(col and col.rht and col.amax_scale is None)
     if c_mode == A.TENSOR and not col_rht and r_mode != A.PER_INDEX:
         a, _ = A.amax(x, A.TENSOR, A.NONE)  # one global amax serves both copies
