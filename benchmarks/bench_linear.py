@@ -5,9 +5,11 @@ of the same run, the time of each piece (weight quantize, X quantize, dY quantiz
 wgrad GEMMs) timed alone, the peak memory of a step and the bytes saved for backward (counted with
 saved-tensor hooks), split into activations and weight copies. Prints a table and writes JSON.
 ``--host`` instead measures the host (Python) time of one fwd+bwd call of a tiny layer, where the
-GPU work is negligible: what bounds small layers in eager mode.
+GPU work is negligible: what bounds small layers in eager mode. ``--eval`` instead times forwards
+under ``torch.no_grad()`` (evaluation; M = 16 is a decoding step of ``generate()``) of NVFP4Linear
+with and without ``nvfp4_recipe.cached_weights()`` against bf16 nn.Linear.
 
-    python benchmarks/bench_linear.py [--json out.json] [--shapes 16384x4096x4096 ...] [--host]
+    python benchmarks/bench_linear.py [--json out.json] [--shapes 16384x4096x4096 ...] [--host | --eval]
 """
 
 import argparse
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from common import median_ms, write_json
-from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
+from nvfp4_recipe import NVFP4Linear, NVFP4Recipe, cached_weights
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.recipe import SR_OFFSETS
 from nvfp4_recipe.spec import GemmRole
@@ -182,13 +184,48 @@ def host_times(size: int = 256, profile: bool = False, rounds_: int = 9) -> dict
     return times
 
 
+def eval_times(shape: str) -> dict:
+    """Milliseconds of one no-grad forward at ``shape`` (M x K x N, bf16 input): bf16 nn.Linear,
+    NVFP4Linear (default recipe, fp32 master weight) quantizing W on every call, and the same
+    layer inside ``cached_weights()``; checks that the cached output equals the uncached one."""
+    m, k, n = map(int, shape.split("x"))
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    linear = nn.Linear(k, n, device="cuda")
+    bf16 = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    layer = NVFP4Linear.from_linear(linear, RECIPES["default"])
+    with torch.no_grad():
+        times = {"bf16": bench(lambda: bf16(x)), "nvfp4": bench(lambda: layer(x))}
+        uncached = layer(x)
+        with cached_weights():
+            assert torch.equal(layer(x), uncached), "the cached weight gives another output"
+            times["nvfp4 cached"] = bench(lambda: layer(x))
+    return {"shape": [m, k, n], "ms": times}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["16384x4096x4096", "16384x4096x14336"])
     p.add_argument("--json", default="bench_linear.json")
     p.add_argument("--host", action="store_true", help="host time per call of a tiny layer only")
     p.add_argument("--profile", action="store_true", help="with --host: the host time by function")
+    p.add_argument("--eval", action="store_true",
+                   help="no-grad forwards, with and without cached_weights()")
     args = p.parse_args()
+    if args.eval:
+        shapes = args.shapes if args.shapes != p.get_default("shapes") else [
+            "16x4096x4096", "16x4096x14336", "16384x4096x4096", "16384x4096x14336"]
+        results = [eval_times(s) for s in shapes]
+        write_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "eval": results})
+        print("| shape (M, K, N) | bf16 ms | NVFP4 ms | cached ms | NVFP4 / bf16 | cached / bf16 |\n"
+              "| --- | --- | --- | --- | --- | --- |")
+        for r in results:
+            t = r["ms"]
+            print(f"| {'x'.join(map(str, r['shape']))} | {t['bf16']:.4f} | {t['nvfp4']:.4f} | "
+                  f"{t['nvfp4 cached']:.4f} | {t['nvfp4'] / t['bf16']:.2f} | "
+                  f"{t['nvfp4 cached'] / t['bf16']:.2f} |")
+        return
     if args.host:
         t = host_times(profile=args.profile)
         print(f"host time per fwd+bwd, 256x256x256: bf16 nn.Linear {t['bf16']:.0f} us, "

@@ -3,7 +3,8 @@
 Public API: :class:`NVFP4Recipe` (what to quantize and how), :func:`quantize_` (swap nn.Linear
 layers for :class:`NVFP4Linear`, and mixture-of-experts modules for :class:`NVFP4GroupedExperts`
 and :class:`NVFP4HFExperts`), :class:`NVFP4Tensor` (the quantized tensor subclass), and the
-inspection helpers :func:`summary`, :func:`tensor_stats` and :func:`capture`. The typed pieces
+inspection helpers :func:`summary`, :func:`tensor_stats` and :func:`capture`, and
+:func:`cached_weights` (quantize each weight once for evaluation and generation). The typed pieces
 below them: :class:`QuantSpec` and :class:`GemmRole` (``spec``), :class:`NVFP4Operand`
 (``operand``), the backends (``backends``) and the Triton kernels (``kernels``).
 """
@@ -53,7 +54,7 @@ _import_torchao_quietly()
 
 from .api import dequantize_, quantize_  # noqa: E402
 from .inspect import capture, summary, tensor_stats  # noqa: E402
-from .linear import NVFP4Linear  # noqa: E402
+from .linear import NVFP4Linear, cached_weights  # noqa: E402
 from .moe import NVFP4GroupedExperts, NVFP4HFExperts  # noqa: E402
 from .operand import NVFP4Operand  # noqa: E402
 from .recipe import NVFP4Recipe  # noqa: E402
@@ -62,4 +63,4 @@ from .tensor import NVFP4Tensor  # noqa: E402
 
 __all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "NVFP4GroupedExperts", "NVFP4HFExperts",
            "NVFP4Operand", "QuantSpec", "GemmRole", "quantize_", "dequantize_", "summary",
-           "tensor_stats", "capture"]
+           "tensor_stats", "capture", "cached_weights"]

@@ -6,12 +6,16 @@ The recipe table of docs/recipe.md (after NVIDIA, arXiv 2509.25149, section 4):
     dgrad  dX = dY W     dY: 1D, SR           W^T: the same 2D quantization, transposed
     wgrad  dW = dY^T X   dY^T: RHT + 1D, SR   X^T: RHT + 1D, RN   (blocks along tokens)
 
-The weight stays a high-precision master parameter; it is quantized on every forward. Backward
-keeps the quantized columnwise X^T (and W^T), not the high-precision X. A tensor-parallel layer
+The weight stays a high-precision master parameter; it is quantized on every forward (once per
+weight version inside :func:`cached_weights`, for evaluation and generation). Backward keeps the
+quantized columnwise X^T (and W^T), not the high-precision X. A tensor-parallel layer
 (DTensor weight) runs the same algorithm on its shards (``distributed.py``).
 """
 
-from typing import TYPE_CHECKING, Optional, Tuple
+import contextlib
+import weakref
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -34,9 +38,44 @@ from .tensor import NVFP4Tensor
 if TYPE_CHECKING:
     from .distributed import TensorParallelShard
 
-__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads", "next_sr_key", "sr_key"]
+__all__ = ["NVFP4Linear", "cached_weights", "linear_fprop", "linear_grads", "next_sr_key", "sr_key"]
 
 _BUFFERS = ("rht_signs", "sr_seed", "sr_step")
+
+# the layers that cached a weight in the innermost cached_weights() context, None outside one
+_CACHING: ContextVar[Optional[weakref.WeakSet]] = ContextVar("nvfp4_cached_weights", default=None)
+
+
+@contextlib.contextmanager
+def cached_weights() -> Iterator[None]:
+    """Within this context each :class:`NVFP4Linear` quantizes its weight once and reuses the
+    result in every forward that records no autograd graph (evaluation under ``torch.no_grad()``,
+    ``generate()``), instead of quantizing the master weight on every call.
+
+    The outputs are those of uncached forwards, bit for bit: the weight's quantization is
+    round-to-nearest (no random bits), and a layer quantizes again when its weight is another
+    tensor or has a new version (any in-place update through the tensor: an optimizer step,
+    ``load_state_dict``, ``copy_``). Use it around evaluation or generation, not around training
+    steps: updates that bypass the version counter (writes through ``weight.data``, FSDP2's
+    all-gathers into its unsharded parameters) are not seen. Forwards that record autograd
+    (training), torch.compile tracing, CUDA-graph capture and tensor-parallel layers do not use
+    the cache. Each layer holds its fprop weight operand (fp16 inner values on sm89+ GPUs, 2 bytes
+    an element; codes and scales elsewhere, 0.5625) until the context exits. The same idea as
+    TransformerEngine's ``is_first_microbatch`` and ``torch.nn.utils.parametrize.cached()``.
+
+    Example::
+
+        with torch.no_grad(), nvfp4_recipe.cached_weights():
+            model.generate(input_ids, max_new_tokens=64)
+    """
+    layers = weakref.WeakSet()
+    token = _CACHING.set(layers)
+    try:
+        yield
+    finally:
+        _CACHING.reset(token)
+        for layer in layers:
+            layer._weight_cache = None
 
 
 def sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:
@@ -73,6 +112,7 @@ def _amax_reduce(shard: Optional["TensorParallelShard"], recipe: NVFP4Recipe, ro
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
                  need_xt: bool, shard: Optional["TensorParallelShard"] = None,
+                 w: Optional[NVFP4Operand] = None,
                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand]]:
     """fprop of an NVFP4 linear: ``Y = Q(X) @ Q(W)^T + bias`` on backend ``be``.
 
@@ -83,11 +123,15 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
         shard: None, or the tensor-parallel layout of these local shards
             (:class:`distributed.TensorParallelShard`): the amaxes of sharded operands are
             reduced over the group, so each shard is quantized as the whole tensor is.
+        w: W as ``be.prepare_weight`` made it for fprop (:func:`cached_weights`), or None to
+            quantize ``weight`` here; only without need_wt.
     Returns:
         (Y (M, N) of ``out_dtype``, W^T or None, X^T or None): the copies backward keeps, as codes.
     """
-    w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                              amax_reduce=_amax_reduce(shard, recipe, GemmRole.W_FPROP))
+    wt = None
+    if w is None:
+        w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
+                                  amax_reduce=_amax_reduce(shard, recipe, GemmRole.W_FPROP))
     xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP),
                                  recipe.spec(GemmRole.X_WGRAD) if need_xt else None,
                                  signs=signs, transient=(True, False),
@@ -261,6 +305,7 @@ class NVFP4Linear(nn.Linear):
         self.layer_seed = layer_seed
         self.sr_rank = 0
         self.captured = None  # a dict while ``inspect.capture`` records this layer
+        self._weight_cache = None  # (weight, its version, backend, W operand) in cached_weights()
         self._register_recipe_buffers(device)
 
     def _register_recipe_buffers(self, device) -> None:
@@ -286,6 +331,7 @@ class NVFP4Linear(nn.Linear):
     def _apply(self, fn, recurse=True):
         # to_empty (materializing a meta-device model) gives the buffers uninitialized memory
         was_meta = self.sr_step.is_meta
+        self._weight_cache = None
         super()._apply(fn, recurse)
         if was_meta and not self.sr_step.is_meta:
             self.reset_recipe_buffers()
@@ -340,13 +386,37 @@ class NVFP4Linear(nn.Linear):
                                          _local(self.sr_step), self.recipe, backend, out_dtype,
                                          self.sr_rank, shard)
             else:
-                y = _fprop(x2, weight, bias, self.recipe, signs, out_dtype, False, False, backend,
-                           shard)[0]
+                w = self._cached_weight(weight, backend, shard)
+                if w is None:
+                    y = _fprop(x2, weight, bias, self.recipe, signs, out_dtype, False, False,
+                               backend, shard)[0]
+                else:
+                    y = linear_fprop(get_backend(backend, x2.device), x2, weight, bias,
+                                     self.recipe, signs, out_dtype, False, False, w=w)[0]
             if self.captured is not None and x2.shape[0] and shard is None:
                 self._capture(x2, y, backend)
         # _unsafe_view: the (..., N) result is not a view of the (M, N) GEMM output, as with
         # nn.Linear (aten::matmul), so in-place ops and FSDP2 (which warns on views) take it
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], n))
+
+    def _cached_weight(self, weight: torch.Tensor, backend: str,
+                       shard: Optional["TensorParallelShard"]) -> Optional[NVFP4Operand]:
+        """W quantized for fprop, from this layer's cache inside :func:`cached_weights` (made
+        again for another weight tensor, version or backend), or None where the cache does not
+        apply (outside the context, while tracing or capturing a CUDA graph, tensor parallel)."""
+        if torch.compiler.is_compiling() or tracing():  # first: Dynamo cannot trace a ContextVar
+            return None
+        layers = _CACHING.get()
+        if (layers is None or shard is not None
+                or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return None
+        cache = self._weight_cache
+        if cache is None or cache[0] is not weight or cache[1:3] != (weight._version, backend):
+            w, _ = get_backend(backend, weight.device).prepare_weight(
+                weight, self.recipe.spec(GemmRole.W_FPROP), need_t=False)
+            cache = self._weight_cache = (weight, weight._version, backend, w)
+            layers.add(self)
+        return cache[3]
 
     def quantized_weight(self) -> NVFP4Tensor:
         """The weight as fprop quantizes it (the recipe's W spec, the layer's backend), as an

@@ -440,3 +440,75 @@ def test_layer_hands_out_the_operands_it_used():
     dx = got["dy"].dequantize(torch.float64) @ got["w"].dequantize(torch.float64)
     dw = got["dyt"].dequantize(torch.float64) @ got["xt"].dequantize(torch.float64).t()
     assert rel(x.grad, dx) < 1e-6 and rel(layer.weight.grad, dw) < 1e-6
+
+
+def _spy_weight_quantizations(monkeypatch, layer: NVFP4Linear) -> list:
+    """A list that grows by one on every quantization of ``layer``'s fprop weight."""
+    from nvfp4_recipe.backends import get_backend
+    be = get_backend(layer.recipe.backend, layer.weight.device)
+    calls, real = [], be.prepare_weight
+    monkeypatch.setattr(type(be), "prepare_weight",
+                        lambda self, w, *a, **k: (calls.append(1), real(w, *a, **k))[1])
+    return calls
+
+
+def check_cached_weights(monkeypatch, backend: str, device: str, dtype=torch.float32):
+    """Inside cached_weights() forwards without autograd quantize W once per weight version: an
+    in-place update (an optimizer step) or another weight tensor is seen and quantized again. The
+    outputs equal uncached forwards bit for bit; the cache is dropped when the context exits, and
+    training forwards inside it do not use it."""
+    torch.manual_seed(0)
+    layer = NVFP4Linear(64, 48, recipe=NVFP4Recipe(backend=backend), device=device)
+    x = torch.randn(5, 64, device=device, dtype=dtype)
+    with torch.no_grad():
+        uncached = layer(x)
+    calls = _spy_weight_quantizations(monkeypatch, layer)
+    with nr.cached_weights():
+        with torch.no_grad():
+            assert torch.equal(layer(x), uncached) and torch.equal(layer(x), uncached)
+        assert len(calls) == 1
+        layer(torch.randn(16, 64, device=device, dtype=dtype)).sum().backward()  # training
+        assert len(calls) == 2
+        torch.optim.SGD(layer.parameters(), lr=0.1).step()  # an in-place update of the weight
+        with torch.no_grad():
+            updated = layer(x)
+        assert len(calls) == 3 and not torch.equal(updated, uncached)
+        layer.weight = nn.Parameter(layer.weight.detach().clone())  # another tensor
+        with torch.no_grad():
+            assert torch.equal(layer(x), updated)
+        assert len(calls) == 4
+    assert layer._weight_cache is None
+    with torch.no_grad():
+        assert torch.equal(layer(x), updated)
+    assert len(calls) == 5  # outside the context: quantized on every call
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_cached_weights_quantize_once_and_give_the_same_outputs(monkeypatch, backend):
+    check_cached_weights(monkeypatch, backend, "cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_cached_weights(monkeypatch, device):
+    """On the GPU the cache holds W's fp16 inner values (what the fprop GEMM reads)."""
+    check_cached_weights(monkeypatch, "triton", device, torch.bfloat16)
+
+
+def test_cached_weights_are_per_context_and_not_under_compile(monkeypatch):
+    """Nested contexts: a weight cached in the outer one serves the inner one and stays; a weight
+    first cached in the inner one is dropped at its exit. torch.compile traces the uncached
+    forward (its graph quantizes W itself) and gives the eager result."""
+    torch.manual_seed(1)
+    outer, inner = NVFP4Linear(32, 32), NVFP4Linear(32, 32)
+    x = torch.randn(16, 32)
+    calls = _spy_weight_quantizations(monkeypatch, outer)  # the backend's calls, both layers
+    with torch.no_grad(), nr.cached_weights():
+        want = outer(x)
+        with nr.cached_weights():
+            outer(x), inner(x)
+        assert len(calls) == 2
+        assert outer._weight_cache is not None and inner._weight_cache is None
+        got = torch.compile(inner, backend="aot_eager", fullgraph=True)(x)
+        assert inner._weight_cache is None  # a compiled forward does not cache
+        assert torch.equal(got, inner(x)) and torch.equal(outer(x), want)
+    assert outer._weight_cache is None and inner._weight_cache is None
