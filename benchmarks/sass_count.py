@@ -41,8 +41,7 @@ def signature(on) -> dict:
     types = {"x_ptr": "*bf16", "signs_ptr": "*fp32", "seed_arg": "i64", "roff_arg": "i64",
              "coff_arg": "i64", "r_mult": "fp32", "c_mult": "fp32", "dq_ptr": "*u8",
              "ds_ptr": "*u8", "dout_ptr": "*fp16"}
-    for side in ("r", "c"):
-        inner = f"{side.upper()}OW_INNER" if side == "r" else "COL_INNER"
+    for side, inner in (("r", "ROW_INNER"), ("c", "COL_INNER")):
         types[f"{side}q_ptr"] = "*fp16" if inner in on else "*i64"
         types[f"{side}s_ptr"] = "*fp16" if inner in on else "*u8"
         types[f"{side}o_ptr"] = types[f"{side}amax_ptr"] = "*fp32"

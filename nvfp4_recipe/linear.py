@@ -192,13 +192,14 @@ def _backend_name(name: str, device: torch.device) -> str:
 
 
 def _fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool, need_xt: bool,
-           backend: str, shard: Optional["TensorParallelShard"]):
+           backend: str, shard: Optional["TensorParallelShard"], w: Optional[NVFP4Operand] = None):
     """:func:`linear_fprop` through ``ops`` (a custom op under torch.compile), or directly for a
-    tensor-parallel shard (eager mode only)."""
-    if shard is None:
+    tensor-parallel shard or a weight already quantized (``w``, :func:`cached_weights`; eager
+    mode only)."""
+    if shard is None and w is None:
         return ops.fprop(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend)
     return linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs, out_dtype,
-                        need_wt, need_xt, shard)
+                        need_wt, need_xt, shard, w)
 
 
 def _grads(dy, wt, xt, recipe: NVFP4Recipe, signs, seed, dx_dtype, dw_dtype, backend: str,
@@ -386,13 +387,8 @@ class NVFP4Linear(nn.Linear):
                                          _local(self.sr_step), self.recipe, backend, out_dtype,
                                          self.sr_rank, shard)
             else:
-                w = self._cached_weight(weight, backend, shard)
-                if w is None:
-                    y = _fprop(x2, weight, bias, self.recipe, signs, out_dtype, False, False,
-                               backend, shard)[0]
-                else:
-                    y = linear_fprop(get_backend(backend, x2.device), x2, weight, bias,
-                                     self.recipe, signs, out_dtype, False, False, w=w)[0]
+                y = _fprop(x2, weight, bias, self.recipe, signs, out_dtype, False, False, backend,
+                           shard, self._cached_weight(weight, backend, shard))[0]
             if self.captured is not None and x2.shape[0] and shard is None:
                 self._capture(x2, y, backend)
         # _unsafe_view: the (..., N) result is not a view of the (M, N) GEMM output, as with
