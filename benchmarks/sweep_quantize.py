@@ -31,25 +31,25 @@ SMALL_SHAPES = [(32768, 512), (32768, 2048)]
 
 
 def cases(x: torch.Tensor, signs: torch.Tensor):
-    """name -> (autotuned kernel, call, bytes moved), amaxes precomputed."""
+    """name -> (Launcher of the autotuned kernel, call, bytes moved), amaxes precomputed."""
     n = x.numel()
     one = n // 2 + n // 16
     plain, _ = amax_pass(x, QuantSpec(), None)
     both = amax_pass(x, QuantSpec(), QuantSpec(rht=True), signs)
     sr = dict(seed=7, col_offset=2**31)
     return {
-        "act pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
+        "act pair": (Q._PAIR, lambda: quantize_1d(
             x, QuantSpec(), QuantSpec(rht=True), signs=signs, amaxes=both), 2 * n + 2 * one),
-        "grad pair": (Q._quantize_1d_kernel, lambda: quantize_1d(
+        "grad pair": (Q._PAIR, lambda: quantize_1d(
             x, QuantSpec(rounding="sr"), QuantSpec(rounding="sr", rht=True), signs=signs, amaxes=both, **sr),
             2 * n + 2 * one),
-        "rowwise RN": (Q._quantize_rows_kernel, lambda: quantize_1d(
+        "rowwise RN": (Q._ROWS, lambda: quantize_1d(
             x, QuantSpec(), amaxes=(plain, None)), 2 * n + one),
-        "W 2D": (Q._quantize_2d_kernel, lambda: quantize_2d(x, amax=plain),
+        "W 2D": (Q._2D, lambda: quantize_2d(x, amax=plain),
                  2 * n + 2 * (n // 2 + n // 256)),
-        "amax": (A._amax_kernel, lambda: A.amax(x), 2 * n),
-        "amax+RHT amax": (A._amax_kernel, lambda: A.amax(x, A.TENSOR, A.TENSOR, True, signs), 2 * n),
-        "per-token amax": (A._amax_kernel, lambda: A.amax(x, A.PER_INDEX, A.PER_INDEX), 2 * n),
+        "amax": (A._AMAX, lambda: A.amax(x), 2 * n),
+        "amax+RHT amax": (A._AMAX, lambda: A.amax(x, A.TENSOR, A.TENSOR, True, signs), 2 * n),
+        "per-token amax": (A._AMAX, lambda: A.amax(x, A.PER_INDEX, A.PER_INDEX), 2 * n),
     }
 
 
@@ -61,13 +61,17 @@ def outputs(out):
     return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat]
 
 
-def sweep(kernel, fn, nbytes: int, copy: float):
+def sweep(launcher, fn, nbytes: int, copy: float):
+    """Each config of the launcher's autotuned kernel alone: the autotuner's list and cache and
+    the launcher's cached binaries are reset around every config."""
+    kernel = launcher.kernel
     configs = list(kernel.configs)
     first = None
     try:
         for config in configs:
             kernel.configs = [config]
             kernel.cache.clear()
+            launcher.clear()
             got = outputs(fn())
             first = first or got
             same = all(torch.equal(a, b) for a, b in zip(got, first))
@@ -77,6 +81,7 @@ def sweep(kernel, fn, nbytes: int, copy: float):
     finally:
         kernel.configs = configs
         kernel.cache.clear()
+        launcher.clear()
 
 
 def main():
@@ -92,10 +97,10 @@ def main():
     for m, k in SHAPES + (SMALL_SHAPES if args.small else []):
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for name, (kernel, fn, nbytes) in cases(x, signs).items():
+        for name, (launcher, fn, nbytes) in cases(x, signs).items():
             if args.cases and name not in args.cases:
                 continue
-            for row in sweep(kernel, fn, nbytes, copy):
+            for row in sweep(launcher, fn, nbytes, copy):
                 row = {"shape": f"{m}x{k}", "case": name, **row}
                 rows.append(row)
                 print(f"{row['shape']} {name:14s} {row['% of copy']:5.1f}% {row['us']:7.1f} us "

@@ -215,6 +215,11 @@ class Launcher:
     def __getitem__(self, grid) -> Callable:
         return functools.partial(self._launch, grid)
 
+    def clear(self) -> None:
+        """Forget the cached binaries, so that the next launch of every key goes through Triton
+        again: after an autotuner's configs changed (``benchmarks/sweep_quantize.py``)."""
+        self._cache.clear()
+
     def _launch(self, grid, *args, **kwargs):
         if tracing():
             return wrap_triton(self.kernel)[grid](*args, **kwargs)
