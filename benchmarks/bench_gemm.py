@@ -17,7 +17,7 @@ E4M3 block scales, per-tensor outer scales), bf16 output. Rows:
   the dequantize pass in GB/s against a device-to-device copy.
 
 Each method's output is checked against the fp32 emulated GEMM before it is timed. Times are
-``triton.testing.do_bench`` medians. Prints a table last and writes JSON (``--json``).
+``triton.testing.do_bench`` medians (``common.median_ms``). Prints a table last and writes JSON (``--json``).
 Usage: python benchmarks/bench_gemm.py [--json PATH] [--quick]
 """
 
@@ -30,10 +30,10 @@ import tempfile
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_gbps, median_ms  # noqa: E402
 from fused_gemm import FUSED_CONFIG, fused_mm  # noqa: E402
 from nvfp4_recipe.kernels import gemm as G  # noqa: E402
 from nvfp4_recipe.kernels import dequantize as D  # noqa: E402
@@ -72,13 +72,7 @@ def bench_ms(fn) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_gbps(device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
+    return median_ms(fn)
 
 
 def random_operand(rows, k, device, gen) -> NVFP4Operand:
@@ -225,7 +219,7 @@ def main():
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: interpreter smoke test
     torch.backends.cuda.matmul.allow_tf32 = False
-    copy = copy_gbps(device) if device.type == "cuda" else float("nan")
+    copy = copy_gbps(device=device) if device.type == "cuda" else float("nan")
     sass = {}
     results = [bench_shape(m, k, n, device, args.quick, sass) for m, k, n in shapes]
     if not args.shapes:
