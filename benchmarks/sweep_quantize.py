@@ -2,8 +2,9 @@
 
 For M = 16384, K in {4096, 14336} (and with ``--small`` the `train --preset gpu` shapes M = 32768,
 K in {512, 2048}), bf16: the activation pair, the gradient pair, the rowwise RN copy, the 2D weight
-kernel and the amax kernel (global; with the RHT amax; per-token), each run with one config at a
-time (the autotuner's list is swapped in and out); every config's output is checked
+kernel and the amax kernel (global; with the RHT amax; per-token, without and with the RHT amax),
+each run with one config at a time (the autotuner's list is swapped in and out, the launcher's
+cached binaries cleared); every config's output is checked
 bit-identical to the first config's. Prints % of a device-to-device copy measured in the same run
 and writes JSON. This is how the first config of each list in ``kernels/quantize.py`` and
 ``kernels/amax.py`` was chosen (docs/performance.md).
@@ -50,6 +51,7 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
         "amax": (A._AMAX, lambda: A.amax(x), 2 * n),
         "amax+RHT amax": (A._AMAX, lambda: A.amax(x, A.TENSOR, A.TENSOR, True, signs), 2 * n),
         "per-token amax": (A._AMAX, lambda: A.amax(x, A.PER_INDEX, A.PER_INDEX), 2 * n),
+        "per-token amax+RHT amax": (A._AMAX, lambda: A.amax(x, A.PER_INDEX, A.PER_INDEX, True, signs), 2 * n),
     }
 
 

@@ -45,6 +45,30 @@ def test_launch_cache_is_bounded(monkeypatch):
     assert not launcher._cache
 
 
+def test_prune_puts_a_modes_lead_config_first(monkeypatch):
+    """NVFP4_AUTOTUNE=0 keeps the first config that fits K; the amax kernel's per-index maxima
+    lead with their own tile (``amax._lead``), the global amax keeps the list's first."""
+    import triton
+
+    from nvfp4_recipe.kernels import amax as A
+    from nvfp4_recipe.kernels.runtime import prune_wide_tiles
+
+    configs = [triton.Config({"BB": bb, "BC": bc, "P": 4}) for bb, bc in ((2, 16), (2, 8), (8, 4))]
+    prune = prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], A._lead)
+    monkeypatch.setenv("NVFP4_AUTOTUNE", "0")
+
+    def first(k, **modes):
+        (config,) = prune(configs, {"K": k}, **{"ROW": A.TENSOR, "COL": A.NONE, "ROW_RHT": False, **modes})
+        return config.kwargs["BB"], config.kwargs["BC"]
+
+    assert first(4096) == (2, 16)
+    assert first(4096, ROW=A.PER_INDEX) == first(4096, COL=A.PER_INDEX) == (8, 4)
+    assert first(4096, ROW=A.PER_INDEX, ROW_RHT=True) == (2, 16)  # row blocks: not measured
+    assert first(128) == (2, 8)  # a 256-column tile is pruned for K = 128
+    monkeypatch.setenv("NVFP4_AUTOTUNE", "1")
+    assert len(prune(configs, {"K": 4096}, ROW=A.PER_INDEX, COL=A.NONE, ROW_RHT=False)) == 3
+
+
 class _FakeKernel:
     """A kernel whose launch returns an object shaped like a compiled kernel (no GPU needed)."""
 

@@ -30,12 +30,23 @@ NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 def _configs():
     """(BB, BC) = a tile in 16 x 16 blocks, P = programs per SM of the persistent grid. The first
     measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
-    on an H200 and is the only one with NVFP4_AUTOTUNE=0; narrower tiles for small K (see
-    ``runtime.prune_wide_tiles``)."""
+    on an H200 and is the only one with NVFP4_AUTOTUNE=0 (:func:`_lead` puts another first for
+    per-index maxima); narrower tiles for small K (see ``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]
     space = ((2, 16, 4, 4), (2, 16, 16, 4), (2, 8, 8, 4), (4, 4, 8, 4), (8, 4, 8, 4))
     return [triton.Config({"BB": bb, "BC": bc, "P": p}, num_warps=nw) for bb, bc, p, nw in space]
+
+
+def _lead(config, args) -> bool:
+    """Whether ``config`` goes first for a launch with ``args``: for per-row or per-column maxima
+    (per-token scaling; one atomic per index and tile), the tiles of 128 rows x 64 columns, whose
+    column atomics are a quarter of those of the first config's 32 x 256 tiles (rows: four
+    times). Per-token amaxes of X and X^T, bf16 on an H200 (``benchmarks/sweep_quantize.py``):
+    16384 x 4096 50 against 67 us, 32768 x 512 19 against 36 us; with the RHT amax of X^T 81
+    against 112 us and 28 against 41 us."""
+    per_index = PER_INDEX in (args["ROW"], args["COL"]) and not args["ROW_RHT"]
+    return per_index and (config.kwargs["BB"], config.kwargs["BC"]) == (8, 4)
 
 
 @triton.jit
@@ -119,7 +130,7 @@ def _fold(acc):
 
 
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "ROW_RHT"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], _lead)})
 @triton.jit
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,

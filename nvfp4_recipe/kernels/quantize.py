@@ -123,22 +123,23 @@ def quantize_block(y, s_enc6, s_dec, seed, counter, mul16, SR: tl.constexpr, INN
     return out, scode
 
 
-def _configs(loop: bool = False):
+def _configs(loop: bool = False, lead: Optional[Tuple[int, int, int]] = None):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
-    per program along K (the prefetch loop of ``_quantize_rows_kernel``). The first config of each
-    list measured fastest at the benchmark shapes on an H200; it is the only one with
-    NVFP4_AUTOTUNE=0 where it fits K (``runtime.prune_wide_tiles``)."""
+    per program along K (the prefetch loop of ``_quantize_rows_kernel``); ``lead``, the (BB, BC,
+    num_warps) to put first. The first config of each list measured fastest at the benchmark shapes
+    on an H200 (``benchmarks/sweep_quantize.py``); it is the only one with NVFP4_AUTOTUNE=0 where
+    it fits K (``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
     if loop:
         space = ((1, 8, 4, 8, None), (2, 8, 4, 4, None), (1, 16, 4, 4, None), (2, 8, 8, 4, None),
                  (1, 8, 2, 8, None), (1, 8, 4, 8, 128))
-        configs = [triton.Config({"BB": bb, "BC": bc, "T": t}, num_warps=nw, maxnreg=r)
-                   for bb, bc, nw, t, r in space]
-    else:
-        configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw)
-                   for bb, bc, nw in ((2, 8, 4), (2, 4, 4), (4, 8, 4), (4, 8, 8))]
-    return configs
+        return [triton.Config({"BB": bb, "BC": bc, "T": t}, num_warps=nw, maxnreg=r)
+                for bb, bc, nw, t, r in space]
+    space = [(2, 8, 4), (2, 4, 4), (4, 8, 4), (4, 8, 8)]
+    if lead is not None:
+        space.insert(0, space.pop(space.index(lead)))
+    return [triton.Config({"BB": bb, "BC": bc}, num_warps=nw) for bb, bc, nw in space]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,7 +316,7 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
 # ----------------------------------------------------------------------------------------------
 # 2D kernel
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER"],
+@triton.autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,

@@ -87,12 +87,17 @@ def check_runnable(device: torch.device) -> None:
                          f"them in the Triton interpreter), got tensors on {device}")
 
 
-def prune_wide_tiles(tile_cols):
+def prune_wide_tiles(tile_cols, lead=None):
     """An autotune ``early_config_prune``: drops the configs whose tile spans more columns
     (``tile_cols(config)``) than the matrix's K rounded up to a power of two (at least 128), whose
     lanes would mostly be masked off (e.g. K = 512 in a small model), keeping at least the last
-    config; with NVFP4_AUTOTUNE=0 keeps only the first survivor (no tuning runs)."""
+    config; with NVFP4_AUTOTUNE=0 keeps only the first survivor (no tuning runs). ``lead(config,
+    args)``, given, moves the configs it holds true for to the front for a launch's arguments
+    (positional and keyword, by name): a first config for one mode of a kernel."""
     def prune(configs, named_args, **kwargs):
+        if lead is not None:
+            args = {**named_args, **kwargs}
+            configs = sorted(configs, key=lambda c: not lead(c, args))  # stable
         width = max(128, next_pow2(named_args["K"]))
         fit = [c for c in configs if tile_cols(c) <= width] or list(configs[-1:])
         return fit[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else fit
