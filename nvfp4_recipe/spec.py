@@ -1,37 +1,76 @@
-"""How one GEMM operand is quantized: a frozen, typed spec, and the five operand roles of a linear.
+"""How one GEMM operand is quantized: a frozen, typed spec, the five operand roles of a linear, and
+the names of the backends that run them.
 
 A leaf module (no package imports): the recipe builds specs, the layer hands them to a backend, the
 backend to the kernels, unchanged. The enums take their user-facing strings as values, so
-``Block("2d")`` parses what ``NVFP4Tensor.from_hp(block="2d")`` accepts. Sources: NVIDIA's NVFP4
-recipe (arXiv 2509.25149, section 4); the per-operand quantizers of TransformerEngine
-(``NVFP4Quantizer``) and float8_experimental's ``GemmInputRole``.
+``Block("2d")`` parses what ``NVFP4Tensor.from_hp(block="2d")`` accepts, and they print as those
+strings. Sources: NVIDIA's NVFP4 recipe (arXiv 2509.25149, section 4); the per-operand quantizers
+of TransformerEngine (``NVFP4Quantizer``) and float8_experimental's ``GemmInputRole``.
 """
 
 import enum
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Type, TypeVar
+
+E = TypeVar("E", bound=enum.Enum)
 
 
-class Block(str, enum.Enum):
+class _StrEnum(str, enum.Enum):
+    """A str-valued enum that equals its value and prints as it: ``str()`` and f-strings of
+    Scaling.PER_TOKEN give "per_token" on every Python (for a plain ``(str, Enum)``, str() gives
+    "Scaling.PER_TOKEN", and f-strings do too from Python 3.11)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+def enum_values(kind: Type[enum.Enum]) -> Tuple[str, ...]:
+    """The values of the enum ``kind``, in declaration order (e.g. argparse choices)."""
+    return tuple(m.value for m in kind)
+
+
+def parse_enum(kind: Type[E], value, name: str) -> E:
+    """``value`` (a member of ``kind`` or its value) as a member of the enum ``kind``.
+
+    Raises:
+        ValueError: ``"{name}: must be one of (...), got ..."`` for any other value.
+    """
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name}: must be one of {enum_values(kind)}, got {value!r}") from None
+
+
+class Block(_StrEnum):
     """Block shape of the E4M3 scales: 1x16 along K, or 16x16 tiles (2-D weights)."""
 
     D1 = "1d"
     D2 = "2d"
 
 
-class Scaling(str, enum.Enum):
+class Scaling(_StrEnum):
     """Outer scale: one per tensor, or one per row of the operand as it enters its GEMM."""
 
     PER_TENSOR = "per_tensor"
     PER_TOKEN = "per_token"
 
 
-class Rounding(str, enum.Enum):
+class Rounding(_StrEnum):
     """E2M1 rounding: round to nearest even, or stochastic (8 random bits per element)."""
 
     RN = "rn"
     SR = "sr"
+
+
+class BackendName(_StrEnum):
+    """The implementation NVFP4 GEMMs run on: AUTO picks NATIVE on sm100+, TRITON on other CUDA
+    GPUs, REFERENCE (plain PyTorch, the numerics spec) elsewhere."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    TRITON = "triton"
+    NATIVE = "native"
 
 
 class GemmRole(enum.Enum):
@@ -83,12 +122,7 @@ class QuantSpec:
 
     def __post_init__(self):
         for name, kind in (("block", Block), ("scaling", Scaling), ("rounding", Rounding)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                allowed = tuple(m.value for m in kind)
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+            object.__setattr__(self, name, parse_enum(kind, getattr(self, name), name))
         if self.block is Block.D2 and self.scaling is Scaling.PER_TOKEN:
             raise ValueError("2d blocks take a per-tensor outer scale; per_token scaling needs 1d blocks")
         if self.amax_scale is not None and not (math.isfinite(self.amax_scale) and self.amax_scale > 0):
