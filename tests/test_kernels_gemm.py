@@ -319,8 +319,10 @@ def test_gpu_gemm_uses_wgmma_on_sm90(device):
     gen = torch.Generator().manual_seed(13)
     a = random_operand(256, 256, device=device, gen=gen)
     b = random_operand(256, 256, device=device, gen=gen)
-    G.scaled_mm(a, b, method="triton")
-    assert "wgmma.mma_async" in G.LAST_KERNEL["triton"].asm["ptx"]
+    a16, b16 = G.inner_values(a), G.inner_values(b)
+    G.triton_mm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16)
+    compiled = G.compiled_gemm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16)
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
 
 
 @pytest.mark.cuda

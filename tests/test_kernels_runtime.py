@@ -2,10 +2,15 @@
 computes what a launch through Triton computes (new data, other alignments, another stream)."""
 
 import copy
+import logging
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
+from nvfp4_recipe.kernels import runtime
 from nvfp4_recipe.kernels.quantize import quantize_1d
 from nvfp4_recipe.kernels.runtime import launch_key
 from nvfp4_recipe.reference import quantize
@@ -31,11 +36,7 @@ def test_launch_key_separates_what_triton_specializes_on():
 def test_launch_cache_is_bounded(monkeypatch):
     """A launch per new scalar value (a from_hp seed changing on every call) must not grow the
     cache without end."""
-    from nvfp4_recipe.kernels import runtime
-
-    launcher = runtime.Launcher.__new__(runtime.Launcher)
-    launcher._cache, launcher._names = {}, ["x_ptr", "seed"]
-    launcher.kernel = _FakeKernel()
+    launcher = _fake_launcher()
     monkeypatch.setattr(runtime.Launcher, "MAX_KEYS", 8)
     for seed in range(20):
         launcher._first_launch(launch_key((torch.zeros(4), seed), {}), (1,),
@@ -70,10 +71,25 @@ def test_prune_puts_a_modes_lead_config_first(monkeypatch):
 
 
 class _FakeKernel:
-    """A kernel whose launch returns an object shaped like a compiled kernel (no GPU needed)."""
+    """A kernel whose launch returns an object shaped like a compiled kernel (no GPU needed) and
+    counts the launches."""
+
+    launches = 0
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: type("Compiled", (), {"run": None})()
+        def launch(*args, **kwargs):
+            self.launches += 1
+            return type("Compiled", (), {"run": None})()
+        return launch
+
+
+def _fake_launcher() -> "runtime.Launcher":
+    """A Launcher of a :class:`_FakeKernel` with parameters (x_ptr, seed), its first launch and
+    cache logic usable without a GPU."""
+    launcher = runtime.Launcher.__new__(runtime.Launcher)
+    launcher._cache, launcher._names = {}, ["x_ptr", "seed"]
+    launcher.kernel, launcher.needs_scratch = _FakeKernel(), False
+    return launcher
 
 
 @pytest.mark.cuda
@@ -93,38 +109,105 @@ def test_cached_launches_match_the_reference():
         assert_same(got, quantize(x, sp, seed=step, offset=16 * step))
 
 
-def test_every_thread_gets_the_scratch_allocator_and_keeps_its_own():
-    """Triton keeps its allocator in a ContextVar: a thread that sets none (autograd's backward
-    thread, the one where aot_eager launches traced kernels) gets the package's, which hands out
-    torch scratch; an allocator a thread sets is its own and stays."""
-    import threading
+def _in_fresh_thread(fn):
+    """fn() in a new thread (which starts with Triton's default allocator), its result."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn()))
+    t.start()
+    t.join()
+    return out["result"]
 
-    import triton
+
+def test_import_leaves_tritons_allocator_alone():
+    """Importing the package (and every kernel module) replaces no Triton state and sets no
+    allocator: a fresh interpreter, so that no earlier import hides it."""
+    script = """
+import threading
+from triton.runtime import _allocation
+var, default = _allocation._allocator, _allocation._allocator.get()
+import nvfp4_recipe
+import nvfp4_recipe.backends.triton
+from nvfp4_recipe.kernels import amax, dequantize, gemm, grouped, quantize
+seen = []
+t = threading.Thread(target=lambda: seen.append(_allocation._allocator.get()))
+t.start(); t.join()
+assert _allocation._allocator is var
+assert _allocation._allocator.get() is default is _allocation._NULL_ALLOCATOR is seen[0]
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_scratch_kernel_launch_sets_the_allocator_in_its_own_thread_only():
+    """A GEMM launch (it needs global scratch for its TMA descriptors) makes the package's
+    allocator Triton's in the launching thread, a fresh one as autograd's backward thread is;
+    another thread keeps Triton's default. Under the interpreter the launch goes through
+    ``kernel[grid]``, so this checks the kernel's pre-run hook, the path of a first launch and of
+    a launch torch.compile recorded."""
     from triton.runtime import _allocation
 
+    from nvfp4_recipe.kernels import gemm as G
     from nvfp4_recipe.kernels.runtime import _scratch
 
-    def fresh_thread(fn):
-        out = {}
-        t = threading.Thread(target=lambda: out.update(result=fn()))
-        t.start()
-        t.join()
-        return out["result"]
+    gen = torch.Generator().manual_seed(5)
+    a16, b16 = (torch.randn(32, 64, generator=gen).half() for _ in range(2))
+    one = torch.ones(())
 
-    assert fresh_thread(_allocation._allocator.get) is _scratch
+    def launch():
+        out = G.triton_mm(a16, one, b16, one, None, torch.float32)
+        return out, _allocation._allocator.get()
 
-    def mine(size, align, stream):
-        return torch.empty(size, dtype=torch.int8)
-
-    def set_mine():
-        triton.set_allocator(mine)
-        return _allocation._allocator.get()
-
-    assert fresh_thread(set_mine) is mine
-    assert fresh_thread(_allocation._allocator.get) is _scratch  # another thread: not mine
+    out, allocator = _in_fresh_thread(launch)
+    assert allocator is _scratch
+    torch.testing.assert_close(out, a16.float() @ b16.float().t())
+    assert _in_fresh_thread(_allocation._allocator.get) is _allocation._NULL_ALLOCATOR
     if torch.cuda.is_available():
         buf = _scratch(384, 128, None)
         assert buf.numel() == 384 and buf.is_cuda and buf.data_ptr() % 128 == 0
+
+
+@pytest.mark.parametrize("version,known", [
+    ("3.6.0", True), ("3.6.1", True), ("3.7.1", True), ("3.7.0+git1a2b3c", True),
+    ("3.5.1", False), ("3.8.0", False), ("4.0.0", False), ("30.6.0", False), ("dev", False)])
+def test_run_abi_known_versions(version, known):
+    assert runtime.run_abi_known(version) is known
+
+
+@pytest.fixture
+def triton_version(monkeypatch):
+    """Sets ``triton.__version__`` for :func:`runtime.direct_launch`, which decides once."""
+    import triton
+
+    def set_version(version):
+        monkeypatch.setattr(triton, "__version__", version)
+        runtime.direct_launch.cache_clear()
+
+    yield set_version
+    runtime.direct_launch.cache_clear()
+
+
+def test_unknown_triton_version_launches_every_time_through_triton(triton_version, caplog):
+    """Under a Triton whose private run ABI the launcher does not know, no binary is cached, so
+    every launch takes ``kernel[grid]``; said once in the debug log."""
+    triton_version("9.1.0")
+    launcher = _fake_launcher()
+    x = torch.zeros(4)
+    with caplog.at_level(logging.DEBUG, logger=runtime.__name__):
+        for _ in range(3):
+            hit = launcher._cache.get(launch_key((x, 1), {}))
+            launcher._launch_cached(launch_key((x, 1), {}), hit, (1,), (x, 1), {})
+    assert launcher.kernel.launches == 3 and not launcher._cache
+    assert launcher.compiled(x, 1) is None
+    assert sum("9.1.0" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_known_triton_version_caches_the_first_launch(triton_version):
+    triton_version("3.7.1")
+    launcher = _fake_launcher()
+    x = torch.zeros(4)
+    compiled = launcher._first_launch(launch_key((x, 1), {}), (1,), (x, 1), {})
+    assert launcher.kernel.launches == 1 and launcher.compiled(x, 1) is compiled
+    assert launcher.compiled(x, 2) is None
 
 
 @pytest.mark.multigpu

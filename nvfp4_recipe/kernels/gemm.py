@@ -128,7 +128,8 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
               stride_o, HAS_BIAS)
 
 
-_GEMM, _EPILOGUE = Launcher(_gemm_kernel), Launcher(_epilogue_kernel)
+# The GEMM's device-side TMA descriptors take global scratch from the allocator.
+_GEMM, _EPILOGUE = Launcher(_gemm_kernel, needs_scratch=True), Launcher(_epilogue_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,9 +150,6 @@ SMALL_K_GEMM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, EPI_SPLIT=1, num_wa
 EPILOGUE_CONFIG = dict(BM=64, BN=128, num_warps=8)
 # Below this K an output with fewer tiles than SMs still runs the Triton GEMM (default_method).
 SPLIT_K_MIN = 4096
-
-# The compiled kernel of each method's last launch (for inspection: asm["ptx"], asm["cubin"]).
-LAST_KERNEL = {}
 
 
 def gemm_config(k: int, out_dtype: torch.dtype) -> dict:
@@ -194,20 +192,36 @@ def _epilogue_args(a_outer: torch.Tensor, b_outer: torch.Tensor, bias: Optional[
         dict(HAS_BIAS=bias is not None)
 
 
-def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
-              b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict] = None) -> torch.Tensor:
-    """The "triton" method on contiguous 16-bit inner values: the persistent TMA GEMM with its
-    fp32 epilogue (sm90+, or the interpreter). ``cfg``: a tile config (benchmarks)."""
+def _gemm_launch(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
+                 b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict]):
+    """(output buffer, grid, positional arguments, keyword arguments) of the TMA GEMM's launch."""
     (m, k), n = a_inner.shape, b_inner.shape[0]
     cfg = dict(cfg or gemm_config(k, out_dtype))
     programs = num_sms(a_inner.device) * cfg.pop("P", 1)
     out = _kernel_out(m, n, out_dtype, a_inner.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
-    LAST_KERNEL["triton"] = _GEMM[(min(programs, tiles),)](
-        a_inner, b_inner, *scales, out, m, n, k, *strides, out.stride(0), INTERP=interpreting(),
-        NUM_PROGRAMS=programs, **flags, **cfg)
+    args = (a_inner, b_inner, *scales, out, m, n, k, *strides, out.stride(0))
+    kwargs = dict(INTERP=interpreting(), NUM_PROGRAMS=programs, **flags, **cfg)
+    return out, (min(programs, tiles),), args, kwargs
+
+
+def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
+              b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict] = None) -> torch.Tensor:
+    """The "triton" method on contiguous 16-bit inner values: the persistent TMA GEMM with its
+    fp32 epilogue (sm90+, or the interpreter). ``cfg``: a tile config (benchmarks)."""
+    out, grid, args, kwargs = _gemm_launch(a_inner, a_outer, b_inner, b_outer, bias, out_dtype, cfg)
+    _GEMM[grid](*args, **kwargs)
     return out.to(out_dtype)
+
+
+def compiled_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
+                  b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict] = None):
+    """The compiled TMA GEMM that :func:`triton_mm` with these arguments launches, for inspection
+    (``asm["ptx"]``, ``asm["cubin"]``, ``n_regs``); None before such a launch or under the
+    interpreter (``Launcher.compiled``)."""
+    _, _, args, kwargs = _gemm_launch(a_inner, a_outer, b_inner, b_outer, bias, out_dtype, cfg)
+    return _GEMM.compiled(*args, **kwargs)
 
 
 def mm_f32(a_inner: torch.Tensor, b_inner: torch.Tensor) -> torch.Tensor:
@@ -225,8 +239,7 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     out = c if out_dtype == torch.float32 else _kernel_out(m, n, out_dtype, c.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     grid = (cdiv(m, cfg["BM"]), cdiv(n, cfg["BN"]))
-    LAST_KERNEL["epilogue"] = _EPILOGUE[grid](c, *scales, out, m, n, c.stride(0), *strides,
-                                                     out.stride(0), **flags, **cfg)
+    _EPILOGUE[grid](c, *scales, out, m, n, c.stride(0), *strides, out.stride(0), **flags, **cfg)
     return out.to(out_dtype)
 
 

@@ -6,12 +6,13 @@ hardware paths), the check that tensors can run the kernels at all, scalar argum
 or as device pointers, the autotuner's tile pruning, and :class:`Launcher`, which launches a compiled
 kernel with a few microseconds of host time, or, while torch.compile traces a ``triton_op``
 (``ops.py``), records the launch with ``wrap_triton`` so that Inductor calls the kernel itself.
-Imports nothing from the package.
+Imports nothing from the package, and changes nothing outside it at import.
 """
 
 import functools
+import logging
 import os
-from contextvars import ContextVar
+import re
 from typing import Callable, Dict, Tuple, Union
 
 import torch
@@ -19,8 +20,9 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 from triton import knobs
-from triton.runtime import _allocation
 from triton.runtime.autotuner import Autotuner
+
+log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -159,21 +161,45 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _install_default_allocator() -> None:
-    """Make :func:`_scratch` the Triton allocator of every thread that sets none. Triton keeps its
-    allocator in a ContextVar whose default raises, so a thread that never set one cannot launch a
-    kernel that needs global scratch (the GEMM's device-side TMA descriptors): autograd's backward
-    thread, or the thread where torch.compile's aot_eager backend launches the traced kernels
-    itself. The ContextVar is replaced by one with that default; an allocator the importing thread
-    had set is carried over, and ``triton.set_allocator`` still gives a thread its own."""
-    old = _allocation._allocator
-    new = ContextVar("_allocator", default=_scratch)
-    if old.get() is not _allocation._NULL_ALLOCATOR:
-        new.set(old.get())
-    _allocation._allocator = new
+def _set_scratch_allocator(*args, **kwargs) -> None:
+    """Make :func:`_scratch` Triton's allocator in the calling context (``triton.set_allocator``:
+    a ContextVar, so per thread). A ``pre_run_hook`` of the kernels that need global scratch, so
+    that it runs in whichever thread launches them through Triton: autograd's backward thread, or
+    the one where torch.compile's aot_eager backend runs a recorded launch."""
+    triton.set_allocator(_scratch)
 
 
-_install_default_allocator()
+# The Triton versions whose CompiledKernel.run takes (gridX, gridY, gridZ, stream, function,
+# packed_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, *kernel_args), as their
+# CompiledKernel.__getitem__ calls it.
+_RUN_ABI_VERSIONS = ((3, 6), (3, 7))
+
+
+def run_abi_known(version: str) -> bool:
+    """Whether Triton ``version`` (``triton.__version__``, e.g. "3.7.1" or "3.6.0+git1234") is one
+    whose private ``CompiledKernel.run`` signature :func:`_run_compiled` calls."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is not None and (int(match[1]), int(match[2])) in _RUN_ABI_VERSIONS
+
+
+@functools.lru_cache(maxsize=None)
+def direct_launch() -> bool:
+    """Whether :class:`Launcher` may call compiled kernels directly (:func:`run_abi_known` of the
+    installed Triton); decided at the first launch, logged at debug level when not."""
+    if run_abi_known(triton.__version__):
+        return True
+    log.debug("Triton %s: unknown CompiledKernel.run signature, every kernel launches through "
+              "kernel[grid]", triton.__version__)
+    return False
+
+
+def _run_compiled(compiled, grid: tuple, stream: int, args: tuple, tail: tuple) -> None:
+    """Launch ``compiled`` on ``grid`` (3 ints) and ``stream`` as ``compiled[grid](*args, *tail)``
+    does, without its per-call closure and stream object. Triton's private ABI: only called where
+    :func:`direct_launch` holds; launch hooks are passed as None (the caller checks there are
+    none)."""
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
 
 
 def _launch_hooks() -> bool:
@@ -194,27 +220,37 @@ class Launcher:
     ``Launcher(kernel)[grid](*args, **constexprs)`` launches like ``kernel[grid](...)``: the first
     launch for a key goes through Triton (compiling and, for an autotuned kernel, tuning), and keeps
     the compiled kernel and the chosen config; later launches with the same key call the compiled
-    kernel directly. The key (:func:`launch_key`) is at least as fine as what Triton specializes on
-    and what an autotuner tunes on, so a cached binary is only reused where Triton would reuse it;
-    the cache is emptied when it reaches ``MAX_KEYS`` keys (scalars keyed by value, such as a
-    from_hp seed that changes on every call, would grow it without end). This skips Triton's
-    per-launch argument binding and the autotuner's dispatch, the bulk of a small layer's host time.
-    ``grid`` is a tuple or a function of the config's meta-parameters. Under the interpreter every
-    launch goes through Triton; while torch.compile traces, through ``wrap_triton`` (Inductor then
-    compiles, tunes and launches the kernel from its own code). Positional arguments are the
-    kernel's leading parameters; keyword arguments are constexprs or launch options (``num_warps``).
-    A kernel that needs global scratch gets it from torch's allocator
-    (:func:`_install_default_allocator`). Tensors on another GPU than the current one (a model
-    split over GPUs in one process) are launched on their own device, as torch's operators are.
+    kernel directly (:func:`_run_compiled`; every launch goes through Triton where
+    :func:`direct_launch` says its ABI is unknown). The key (:func:`launch_key`) is at least as fine
+    as what Triton specializes on and what an autotuner tunes on, so a cached binary is only reused
+    where Triton would reuse it; the cache is emptied when it reaches ``MAX_KEYS`` keys (scalars
+    keyed by value, such as a from_hp seed that changes on every call, would grow it without end).
+    This skips Triton's per-launch argument binding and the autotuner's dispatch, the bulk of a
+    small layer's host time. ``grid`` is a tuple or a function of the config's meta-parameters.
+    Under the interpreter every launch goes through Triton; while torch.compile traces, through
+    ``wrap_triton`` (Inductor then compiles, tunes and launches the kernel from its own code).
+    Positional arguments are the kernel's leading parameters; keyword arguments are constexprs or
+    launch options (``num_warps``). A launch returns the compiled kernel (None while tracing).
+    Tensors on another GPU than the current one (a model split over GPUs in one process) are
+    launched on their own device, as torch's operators are.
+
+    ``needs_scratch=True`` (a kernel that needs global scratch, such as device-side TMA
+    descriptors): every launch makes :func:`_scratch` Triton's allocator in the launching thread
+    first (``triton.set_allocator``), directly on a cached launch and through a ``pre_run_hook``
+    added to the kernel for launches through Triton, those of a launch torch.compile recorded
+    included.
     """
 
     MAX_KEYS = 4096
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, needs_scratch: bool = False):
         self.kernel = kernel
+        self.needs_scratch = needs_scratch
         self._cache: Dict[tuple, tuple] = {}
+        jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        if needs_scratch:
+            jit.add_pre_run_hook(_set_scratch_allocator)
         if not interpreting():  # the interpreter's kernels have no parameter list to read
-            jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
             self._names = [p.name for p in jit.params]
 
     def __getitem__(self, grid) -> Callable:
@@ -224,6 +260,13 @@ class Launcher:
         """Forget the cached binaries, so that the next launch of every key goes through Triton
         again: after an autotuner's configs changed (``benchmarks/sweep_quantize.py``)."""
         self._cache.clear()
+
+    def compiled(self, *args, **kwargs):
+        """The compiled kernel that a launch with these arguments calls, for inspection
+        (``asm["ptx"]``, ``n_regs``): None before such a launch, under the interpreter, or where
+        :func:`direct_launch` does not hold (no binaries are kept then)."""
+        hit = self._cache.get(launch_key(args, kwargs))
+        return None if hit is None else hit[0]
 
     def _launch(self, grid, *args, **kwargs):
         if tracing():
@@ -245,17 +288,20 @@ class Launcher:
             return self._first_launch(key, grid, args, kwargs)
         compiled, tail, meta, device = hit
         g = grid(meta) if callable(grid) else grid
-        g = tuple(g) + (1,) * (3 - len(g))
-        # CompiledKernel.__getitem__'s runner without its per-call closure and stream object
-        compiled.run(*g, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+        if self.needs_scratch:
+            triton.set_allocator(_scratch)
+        _run_compiled(compiled, tuple(g) + (1,) * (3 - len(g)),
+                      torch._C._cuda_getCurrentRawStream(device), args, tail)
         return compiled
 
     def _first_launch(self, key, grid, args, kwargs):
-        """Launch through Triton (compiling and tuning as needed) and cache what the next launches
-        with this key need: the compiled kernel, the trailing constexpr/config arguments, the
-        config's meta-parameters (for a grid function) and the device index."""
+        """Launch through Triton (compiling and tuning as needed) and, where :func:`direct_launch`
+        holds, cache what the next launches with this key need: the compiled kernel, the trailing
+        constexpr/config arguments, the config's meta-parameters (for a grid function) and the
+        device index."""
         compiled = self.kernel[grid](*args, **kwargs)
+        if not direct_launch():
+            return compiled
         config = getattr(self.kernel, "best_config", None)
         meta = dict(config.kwargs) if config is not None else {}
         values = {**kwargs, **meta}
