@@ -46,7 +46,7 @@ def _check_backend(recipe: NVFP4Recipe, device: torch.device) -> None:
     """Raises ValueError when ``recipe.backend`` cannot run on ``device`` (a meta device is only
     checked at the first forward, once the model is materialized)."""
     if device.type != "meta":
-        get_backend(recipe.backend, device)
+        get_backend(recipe.backend.value, device)
 
 
 def _check_same_recipe(fqn: str, layer: nn.Module, recipe: NVFP4Recipe) -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .recipe import BACKENDS
+from .spec import BackendName, enum_values
 from .train.presets import PRESETS
 from .train.recipes import DESCRIPTIONS, RECIPES
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "with fp32 master weights); auto = bf16 on CUDA and on CPUs with native bf16 "
                           "matmul (AMX / AVX512-BF16), else fp32. The baseline recipe keeps the name bf16 "
                           "and the table says which precision it ran in")
-    run.add_argument("--backend", choices=BACKENDS, default="auto",
+    run.add_argument("--backend", choices=enum_values(BackendName), default=BackendName.AUTO.value,
                      help="NVFP4Recipe.backend (auto: native on Blackwell, triton on other GPUs, "
                           "reference on CPU)")
     run.add_argument("--mode", choices=("auto", "eager", "graph"), default="auto",

@@ -5,19 +5,20 @@ NVFP4", arXiv 2509.25149): 2D 16x16 weight blocks, RHT on the wgrad operands, st
 gradients, per-tensor outer scales. ``docs/recipe.md`` describes every field.
 """
 
+import enum
 import functools
-import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from dataclasses import Field, dataclass, field, fields, make_dataclass
+from typing import Annotated, Any, Literal, Optional, Tuple, Union, get_args, get_origin
 
 import torch
 from torchao.core.config import AOBaseConfig
+from typing_extensions import Doc
 
-from .formats import BLOCK
-from .spec import Block, GemmRole, QuantSpec, Rounding, Scaling
+from .formats import BLOCK, FLT_MAX
+from .reference import DEFAULT_RHT_SIGNS
+from .spec import BackendName, Block, GemmRole, QuantSpec, Rounding, Scaling, enum_values, parse_enum
 
-BACKENDS = ("auto", "reference", "triton", "native")
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
 # fewer than 2**35 elements (16 elements per counter).
 SR_OFFSETS = {GemmRole.DY_DGRAD: 0, GemmRole.DY_WGRAD: 2**31}
@@ -37,6 +38,12 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _is_fp32_scale(x) -> bool:
+    """A number that float32 holds as a finite value > 0: 1e40 is finite in Python but inf in
+    float32, 1e-50 is 0 there."""
+    return _is_number(x) and 0 < x < FLT_MAX and torch.tensor(float(x), dtype=torch.float32).item() > 0
+
+
 def parse_signs(value, name: str) -> Tuple[int, ...]:
     """RHT signs given as any sequence or 1-D tensor of 16 values +1/-1, as a tuple of ints.
 
@@ -53,92 +60,168 @@ def parse_signs(value, name: str) -> Tuple[int, ...]:
     return tuple(int(s) for s in signs)
 
 
-@functools.lru_cache(maxsize=None)
-def _spec(role: GemmRole, weight_2d: bool, scaling: str, sr: bool, rht: bool,
-          amax_estimation: Optional[Tuple[float, float]]) -> QuantSpec:
-    """:meth:`NVFP4Recipe.spec` of the recipe fields it reads (cached: the layer asks every step)."""
-    if role is GemmRole.W_FPROP:
-        return QuantSpec(Block.D2 if weight_2d else Block.D1)
-    amax_scale = None
-    if role.is_wgrad and amax_estimation is not None:
-        amax_scale = amax_estimation[1 if role.is_gradient else 0]
-    rounding = Rounding.SR if role.is_gradient and sr else Rounding.RN
-    return QuantSpec(Block.D1, Scaling(scaling), rounding, role.is_wgrad and rht, amax_scale)
+def _parse_amax_estimation(value) -> Tuple[float, float]:
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_fp32_scale(s) for s in value)
+    _check(ok, "amax_estimation", f"must be None or two scales (act_scale, grad_scale), each positive and "
+           f"finite in float32 (0 < scale < {FLT_MAX:.7g}, not 0 when rounded to float32), got {value!r}")
+    return tuple(float(s) for s in value)
 
 
-@dataclass
+def _parse_patterns(value) -> Tuple[str, ...]:
+    patterns = (value,) if isinstance(value, str) else value
+    _check(isinstance(patterns, (tuple, list)) and all(isinstance(p, str) for p in patterns),
+           "keep_bf16", f"must be a tuple of fnmatch patterns (str), () for none, got {value!r}")
+    return tuple(patterns)
+
+
+def _field(default, help: str) -> Any:
+    """A recipe field with its one-line help (the help of the generated config options)."""
+    return field(default=default, metadata={"help": help})
+
+
+def _plain(value):
+    """An enum field's value as its string; any other value unchanged."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+@dataclass(frozen=True)
 class NVFP4Recipe(AOBaseConfig):
-    """Configuration of NVFP4 training for ``quantize_``.
+    """Configuration of NVFP4 training for ``quantize_``: a frozen value, equal to and hashing as
+    any recipe with the same fields. Change one with ``dataclasses.replace(recipe, field=value)``,
+    which validates again; assigning a field raises ``dataclasses.FrozenInstanceError``.
 
-    Fields:
+    Fields (strings are accepted for the enum fields and converted; lists for the tuple fields):
         rht: apply the 16-point random Hadamard transform to both wgrad operands (dY^T and X^T).
         rht_signs: the 16 +-1 signs of the RHT (any sequence or 1-D tensor, stored as a tuple of
-            ints); None uses TransformerEngine's and torchao's vector
+            16 ints); None uses TransformerEngine's and torchao's vector
             (``reference.DEFAULT_RHT_SIGNS``), shared by every layer.
         stochastic_rounding: round the gradient operands (dY for dgrad and wgrad) stochastically.
-        amax_estimation: None (measure amax after the RHT) or (act_scale, grad_scale): estimate the
-            post-RHT amax of X^T / dY^T as scale * amax before the RHT, skipping a pass. Both
-            scales finite and positive.
+        amax_estimation: None (measure amax after the RHT) or (act_scale, grad_scale), a tuple of
+            two floats: estimate the post-RHT amax of X^T / dY^T as scale * amax before the RHT,
+            skipping a pass. Both scales positive and finite in float32.
         weight_2d: quantize weights in 16x16 tiles so that W (fprop) and W^T (dgrad) agree.
-        scaling: "per_tensor" or "per_token" outer scales for activations and gradients (weights
-            keep a per-tensor outer scale, so W and W^T share one quantization).
+        scaling: a :class:`~nvfp4_recipe.spec.Scaling`, PER_TENSOR ("per_tensor") or PER_TOKEN
+            ("per_token") outer scales for activations and gradients (weights keep a per-tensor
+            outer scale, so W and W^T share one quantization).
         keep_bf16: fnmatch patterns of fully qualified module names left in high precision (a
-            tuple or list of str, or one str).
+            tuple or list of str, or one str; stored as a tuple).
         keep_first_last: keep the first and the last this many nn.Linear layers in high precision.
-        backend: "auto" (native on sm100+, triton on other CUDA GPUs, reference on CPU),
-            "reference", "triton" or "native".
-        seed: base seed of the per-layer SR streams.
+        backend: a :class:`~nvfp4_recipe.spec.BackendName`: AUTO ("auto": native on sm100+, triton
+            on other CUDA GPUs, reference on CPU), REFERENCE, TRITON or NATIVE.
+        seed: base seed of the per-layer SR streams, an int in [0, 2**31).
 
     Raises:
-        ValueError: at construction, naming the field, for any invalid value or combination.
+        ValueError: ``"NVFP4Recipe.<field>: ..."`` at construction (and at ``dataclasses.replace``)
+            for any invalid value or combination.
     """
 
-    rht: bool = True
-    rht_signs: Optional[Tuple[int, ...]] = None
-    stochastic_rounding: bool = True
-    amax_estimation: Optional[Tuple[float, float]] = None
-    weight_2d: bool = True
-    scaling: str = "per_tensor"
-    keep_bf16: Tuple[str, ...] = field(default_factory=tuple)
-    keep_first_last: int = 0
-    backend: str = "auto"
-    seed: int = 0
+    rht: bool = _field(True, "random Hadamard transform on both wgrad operands")
+    rht_signs: Optional[Tuple[int, ...]] = _field(
+        None, "the 16 +-1 RHT signs (default: TransformerEngine's and torchao's vector)")
+    stochastic_rounding: bool = _field(
+        True, "stochastic rounding of the gradient operands (dY for dgrad and wgrad)")
+    amax_estimation: Optional[Tuple[float, float]] = _field(
+        None, "act_scale grad_scale: estimate the post-RHT amax as scale x amax before the RHT")
+    weight_2d: bool = _field(
+        True, "16x16 weight blocks, so that W (fprop) and W^T (dgrad) share one quantization")
+    scaling: Scaling = _field(
+        Scaling.PER_TENSOR, "outer scales of activations and gradients: one per tensor or one per row")
+    keep_bf16: Tuple[str, ...] = _field((), "fnmatch patterns of module names kept in high precision")
+    keep_first_last: int = _field(
+        0, "keep the first and the last this many nn.Linear layers in high precision")
+    backend: BackendName = _field(
+        BackendName.AUTO, "auto: native on Blackwell, triton on other CUDA GPUs, reference on the CPU")
+    seed: int = _field(0, "base seed of the per-layer SR streams")
 
     def __post_init__(self):
         for name in ("rht", "stochastic_rounding", "weight_2d"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         if self.rht_signs is not None:
-            self.rht_signs = parse_signs(self.rht_signs, "NVFP4Recipe.rht_signs")
+            self._set("rht_signs", parse_signs(self.rht_signs, "NVFP4Recipe.rht_signs"))
             _check(self.rht, "rht_signs", "given, but rht=False")
         if self.amax_estimation is not None:
-            est = self.amax_estimation
-            _check(isinstance(est, (tuple, list)) and len(est) == 2
-                   and all(_is_number(s) and 0 < s < math.inf for s in est), "amax_estimation",
-                   f"must be None or two finite positive scales (act_scale, grad_scale), got {est!r}")
+            self._set("amax_estimation", _parse_amax_estimation(self.amax_estimation))
             _check(self.rht, "amax_estimation", "estimates the post-RHT amax; it needs rht=True")
-            self.amax_estimation = tuple(float(s) for s in est)
-        _check(self.scaling in ("per_tensor", "per_token"), "scaling",
-               f"must be 'per_tensor' or 'per_token', got {self.scaling!r}")
-        _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
-        if isinstance(self.keep_bf16, str):
-            self.keep_bf16 = (self.keep_bf16,)
-        _check(isinstance(self.keep_bf16, (tuple, list)) and all(isinstance(p, str) for p in self.keep_bf16),
-               "keep_bf16", f"must be a tuple of fnmatch patterns (str), () for none, got {self.keep_bf16!r}")
-        self.keep_bf16 = tuple(self.keep_bf16)
+        self._set("scaling", parse_enum(Scaling, self.scaling, "NVFP4Recipe.scaling"))
+        self._set("backend", parse_enum(BackendName, self.backend, "NVFP4Recipe.backend"))
+        self._set("keep_bf16", _parse_patterns(self.keep_bf16))
         _check(_is_int(self.keep_first_last) and self.keep_first_last >= 0, "keep_first_last",
                f"must be an int >= 0, got {self.keep_first_last!r}")
         _check(_is_int(self.seed) and 0 <= self.seed < 2**31, "seed",
                f"must be an int in [0, 2**31), got {self.seed!r}")
-        self.keep_first_last, self.seed = int(self.keep_first_last), int(self.seed)
+        self._set("keep_first_last", int(self.keep_first_last))
+        self._set("seed", int(self.seed))
+        # Not a field: left out of ==, hash and replace; spec() is asked on every layer step.
+        self._set("_specs", {role: self._quant_spec(role) for role in GemmRole})
 
-    def spec(self, role: GemmRole) -> QuantSpec:
-        """How the operand ``role`` of a linear's three GEMMs is quantized (the table of
-        docs/recipe.md): weights 2d (or 1d) per-tensor RN; activations and gradients 1d with the
-        recipe's scaling, SR on gradients, RHT and amax estimation on the wgrad operands."""
-        return _spec(GemmRole(role), self.weight_2d, self.scaling, self.stochastic_rounding,
-                     self.rht, self.amax_estimation)
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        """Constructor syntax with the enum fields as their values (``eval`` gives the recipe back)."""
+        args = ", ".join(f"{f.name}={_plain(getattr(self, f.name))!r}" for f in fields(self))
+        return f"{type(self).__name__}({args})"
+
+    def _quant_spec(self, role: GemmRole) -> QuantSpec:
+        if role is GemmRole.W_FPROP:
+            return QuantSpec(Block.D2 if self.weight_2d else Block.D1)
+        amax_scale = None
+        if role.is_wgrad and self.amax_estimation is not None:
+            amax_scale = self.amax_estimation[1 if role.is_gradient else 0]
+        rounding = Rounding.SR if role.is_gradient and self.stochastic_rounding else Rounding.RN
+        return QuantSpec(Block.D1, self.scaling, rounding, role.is_wgrad and self.rht, amax_scale)
+
+    def spec(self, role: Union[GemmRole, str]) -> QuantSpec:
+        """How the operand ``role`` (a GemmRole or its value, e.g. "dy_dgrad") of a linear's three
+        GEMMs is quantized (the table of docs/recipe.md): weights 2d (or 1d) per-tensor RN;
+        activations and gradients 1d with the recipe's scaling, SR on gradients, RHT and amax
+        estimation on the wgrad operands. Raises ValueError for an unknown role."""
+        return self._specs[GemmRole(role)]
 
     def signs(self) -> torch.Tensor:
-        """The RHT signs as a (16,) float32 tensor (TE's default vector when ``rht_signs`` is None)."""
-        from .reference import DEFAULT_RHT_SIGNS
+        """The RHT signs as a (16,) float32 CPU tensor (TE's default vector when ``rht_signs`` is None)."""
         return torch.tensor(self.rht_signs or DEFAULT_RHT_SIGNS, dtype=torch.float32, device="cpu")
+
+
+def _option_type(tp):
+    """The type a config parser fills for a recipe field of type ``tp``: an enum becomes a Literal
+    of its values and a tuple a list, also inside Optional."""
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return Literal[enum_values(tp)]
+    if get_origin(tp) is Union:
+        (inner,) = (a for a in get_args(tp) if a is not type(None))
+        return Optional[_option_type(inner)]
+    if get_origin(tp) is tuple:
+        return list[get_args(tp)[0]]
+    return tp
+
+
+def _option(f: Field) -> Tuple[str, Any, Field]:
+    """(name, type, field) of the config option of the recipe field ``f``, for make_dataclass."""
+    if isinstance(f.default, tuple):
+        default = field(default_factory=functools.partial(list, f.default), metadata=f.metadata)
+    else:
+        default = field(default=_plain(f.default), metadata=f.metadata)
+    return f.name, Annotated[_option_type(f.type), Doc(f.metadata["help"])], default
+
+
+def _options_recipe(self) -> NVFP4Recipe:
+    """The NVFP4Recipe of these options. Raises ValueError naming a field with a bad value."""
+    return NVFP4Recipe(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def options_dataclass(name: str, module: str, doc: str) -> type:
+    """A (mutable) dataclass of config options for :class:`NVFP4Recipe`, generated from its fields,
+    for parsers that fill dataclasses from a command line or a config file (torchtitan's, tyro).
+
+    One option per recipe field, same name, same default, in order; an enum field becomes a
+    ``Literal`` of its values (default: the value), a tuple field a ``list`` (default: a new list);
+    each type is ``Annotated`` with the field's one-line help as a PEP 727 ``Doc``, which tyro
+    shows. The class has a ``recipe()`` method: the NVFP4Recipe of the options (ValueError naming
+    the field for a bad value).
+
+    Args:
+        name: the class name; module: its ``__module__``; doc: its docstring.
+    """
+    return make_dataclass(name, [_option(f) for f in fields(NVFP4Recipe)], namespace={
+        "recipe": _options_recipe, "__module__": module, "__doc__": doc})

@@ -9,18 +9,18 @@ For torchtitan 0.2 (its ``--model.converters`` registry; ``pip install 'nvfp4-re
 ``--job.custom_config_module nvfp4_recipe.torchtitan`` imports this module, which registers the
 converter under the name ``nvfp4`` and adds an ``[nvfp4]`` section to the job config (also settable
 in the TOML file): one option per :class:`~nvfp4_recipe.NVFP4Recipe` field, same names, same
-defaults (docs/recipe.md). The converter runs ``quantize_(model, recipe)`` on the model torchtitan
-built on the meta device (the layers' buffers are set when it is materialized), then
-``distributed.set_sr_rank`` with torchtitan's data-parallel mesh (``loss``: the data-parallel and
-context-parallel ranks, which see different tokens), so that those ranks draw independent SR
-streams while tensor-parallel ranks share theirs. torchtitan's tensor-parallel plans
+defaults, generated from the recipe's fields (``recipe.options_dataclass``; docs/recipe.md). The
+converter runs ``quantize_(model, recipe)`` on the model torchtitan built on the meta device (the
+layers' buffers are set when it is materialized), then ``distributed.set_sr_rank`` with
+torchtitan's data-parallel mesh (``loss``: the data-parallel and context-parallel ranks, which see
+different tokens), so that those ranks draw independent SR streams while tensor-parallel ranks
+share theirs. torchtitan's tensor-parallel plans
 (ColwiseParallel / RowwiseParallel) then shard the NVFP4Linear layers as they would nn.Linear
 (``distributed.tensor_parallel_forward``). torchtitan 0.3 builds models from config converters
 instead of a name registry; it is not supported yet.
 """
 
-from dataclasses import dataclass, field, fields
-from typing import Literal, Optional
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -34,39 +34,13 @@ except ImportError as e:
 
 from .api import quantize_
 from .distributed import set_sr_rank
-from .recipe import NVFP4Recipe
+from .recipe import options_dataclass
 
 __all__ = ["NVFP4", "JobConfig", "NVFP4Converter"]
 
 
-@dataclass
-class NVFP4:
-    """The ``[nvfp4]`` section of the job config: NVFP4Recipe's fields (docs/recipe.md)."""
-
-    rht: bool = True
-    """random Hadamard transform on both wgrad operands"""
-    rht_signs: Optional[list[int]] = None
-    """the 16 +-1 RHT signs (default: TransformerEngine's and torchao's vector)"""
-    stochastic_rounding: bool = True
-    """stochastic rounding of the gradient operands (dY for dgrad and wgrad)"""
-    amax_estimation: Optional[list[float]] = None
-    """act_scale grad_scale: estimate the post-RHT amax as scale x amax before the RHT"""
-    weight_2d: bool = True
-    """16x16 weight blocks, so that W (fprop) and W^T (dgrad) share one quantization"""
-    scaling: Literal["per_tensor", "per_token"] = "per_tensor"
-    """outer scales of activations and gradients: one per tensor or one per row"""
-    keep_bf16: list[str] = field(default_factory=list)
-    """comma-separated fnmatch patterns of module names kept in high precision (LM head: output)"""
-    keep_first_last: int = 0
-    """keep the first and the last this many nn.Linear layers in high precision"""
-    backend: Literal["auto", "reference", "triton", "native"] = "auto"
-    """auto: native on Blackwell, triton on other CUDA GPUs, reference on the CPU"""
-    seed: int = 0
-    """base seed of the per-layer SR streams"""
-
-    def recipe(self) -> NVFP4Recipe:
-        """The NVFP4Recipe of these options. Raises ValueError naming a field with a bad value."""
-        return NVFP4Recipe(**{f.name: getattr(self, f.name) for f in fields(self)})
+NVFP4 = options_dataclass(
+    "NVFP4", __name__, "The ``[nvfp4]`` section of the job config: NVFP4Recipe's fields (docs/recipe.md).")
 
 
 @dataclass
