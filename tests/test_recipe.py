@@ -1,15 +1,18 @@
 """NVFP4Recipe: validation, and every flag changes exactly the numbers it claims to change."""
 
+import dataclasses
 import logging
 import math
+import typing
 
 import pytest
 import torch
 
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
 from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.recipe import options_dataclass
 from nvfp4_recipe.reference import DEFAULT_RHT_SIGNS
-from nvfp4_recipe.spec import Block, GemmRole, QuantSpec, Rounding
+from nvfp4_recipe.spec import BackendName, Block, GemmRole, QuantSpec, Rounding, Scaling
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -32,6 +35,10 @@ from nvfp4_recipe.spec import Block, GemmRole, QuantSpec, Rounding
     (dict(amax_estimation=(math.inf, 1.0)), "amax_estimation"),
     (dict(amax_estimation=(2.0, math.nan)), "amax_estimation"),
     (dict(amax_estimation=(True, 1.0)), "amax_estimation"),
+    (dict(amax_estimation=(1e40, 1.0)), "amax_estimation"),  # finite in Python, inf in float32
+    (dict(amax_estimation=(2.0, torch.finfo(torch.float32).max)), "amax_estimation"),
+    (dict(amax_estimation=(2.0, 1e-50)), "amax_estimation"),  # 0 in float32
+    (dict(amax_estimation=(2.0, 10**400)), "amax_estimation"),  # too large for a Python float
     (dict(seed=True), "seed"),
     (dict(seed=1.0), "seed"),
     (dict(keep_first_last=True), "keep_first_last"),
@@ -54,10 +61,15 @@ def test_valid_values_are_normalized():
     assert r == NVFP4Recipe(rht_signs=(1, -1) * 8, keep_bf16="lm_head", amax_estimation=(2.0, 1.0), seed=3)
 
 
+def test_amax_estimation_takes_any_positive_float32_scale():
+    assert NVFP4Recipe(amax_estimation=(3e38, 1e-40)).amax_estimation == (3e38, 1e-40)  # 1e-40: subnormal
+
+
 def test_defaults_are_the_nvidia_recipe():
     r = NVFP4Recipe()
     assert (r.rht, r.stochastic_rounding, r.weight_2d, r.scaling, r.amax_estimation) == (
-        True, True, True, "per_tensor", None)
+        True, True, True, Scaling.PER_TENSOR, None)
+    assert r.backend is BackendName.AUTO and r.keep_bf16 == () and (r.keep_first_last, r.seed) == (0, 0)
     assert r.spec(GemmRole.W_FPROP) == QuantSpec(Block.D2)
     assert r.spec(GemmRole.DY_DGRAD) == QuantSpec(rounding=Rounding.SR)
     assert r.spec(GemmRole.DY_WGRAD) == QuantSpec(rounding=Rounding.SR, rht=True)
@@ -65,6 +77,75 @@ def test_defaults_are_the_nvidia_recipe():
     assert r.spec(GemmRole.X_FPROP) == QuantSpec()
     assert r.spec("dy_dgrad") == r.spec(GemmRole.DY_DGRAD)  # roles by name too
     assert r.rht_signs is None and r.signs().tolist() == list(DEFAULT_RHT_SIGNS)  # TE's vector
+
+
+def test_enum_fields_hold_enums_and_print_as_their_values():
+    r = NVFP4Recipe(scaling="per_token", backend="triton")
+    assert r.scaling is Scaling.PER_TOKEN and r.backend is BackendName.TRITON
+    assert r == NVFP4Recipe(scaling=Scaling.PER_TOKEN, backend=BackendName.TRITON)
+    assert (f"{r.scaling}", str(r.backend)) == ("per_token", "triton")
+    assert "scaling='per_token'" in repr(r) and "backend='triton'" in repr(r)
+    assert eval(repr(r), {"NVFP4Recipe": NVFP4Recipe}) == r
+
+
+def test_recipe_is_frozen():
+    r = NVFP4Recipe()
+    for name, value in (("scaling", "bogus"), ("seed", 3), ("keep_bf16", ("lm_head",))):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(r, name, value)
+    assert r == NVFP4Recipe()
+
+
+def test_replace_validates_and_respecifies():
+    r = dataclasses.replace(NVFP4Recipe(), scaling="per_token")
+    assert r.scaling is Scaling.PER_TOKEN and NVFP4Recipe().scaling is Scaling.PER_TENSOR
+    assert r.spec(GemmRole.X_FPROP) == QuantSpec(scaling=Scaling.PER_TOKEN)  # not the default's spec
+    with pytest.raises(ValueError, match="NVFP4Recipe.scaling: must be one of"):
+        dataclasses.replace(r, scaling="bogus")
+    with pytest.raises(ValueError, match="NVFP4Recipe.amax_estimation"):
+        dataclasses.replace(NVFP4Recipe(amax_estimation=(2.0, 1.0)), rht=False)
+    with pytest.raises(ValueError, match="NVFP4Recipe.backend"):
+        dataclasses.replace(r, backend="cuda")
+
+
+def test_equal_and_hashed_by_value():
+    a, b = NVFP4Recipe(keep_bf16=["lm_head"], amax_estimation=[2, 1]), NVFP4Recipe(
+        keep_bf16="lm_head", amax_estimation=(2.0, 1.0))
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert NVFP4Recipe() == NVFP4Recipe() and NVFP4Recipe(seed=1) != NVFP4Recipe()
+    assert NVFP4Recipe(scaling="per_token") != NVFP4Recipe()
+    table = {NVFP4Recipe(): "default", a: "estimated"}
+    assert table[NVFP4Recipe(scaling="per_tensor")] == "default" and table[b] == "estimated"
+    assert len({NVFP4Recipe(), NVFP4Recipe(seed=1), NVFP4Recipe(seed=0)}) == 2
+
+
+def test_options_are_generated_from_the_recipe_fields():
+    Options = options_dataclass("Options", __name__, "options")
+    assert [f.name for f in dataclasses.fields(Options)] == [f.name for f in dataclasses.fields(NVFP4Recipe)]
+    assert dataclasses.asdict(Options()) == {
+        "rht": True, "rht_signs": None, "stochastic_rounding": True, "amax_estimation": None,
+        "weight_2d": True, "scaling": "per_tensor", "keep_bf16": [], "keep_first_last": 0,
+        "backend": "auto", "seed": 0}
+    assert type(Options().scaling) is str and Options().keep_bf16 is not Options().keep_bf16
+    hints = typing.get_type_hints(Options, include_extras=True)
+    types = {name: typing.get_args(hint)[0] for name, hint in hints.items()}  # Annotated[type, Doc]
+    assert typing.get_args(types["scaling"]) == ("per_tensor", "per_token")
+    assert typing.get_args(types["backend"]) == ("auto", "reference", "triton", "native")
+    assert (types["keep_bf16"], types["rht_signs"], types["amax_estimation"], types["seed"]) == (
+        list[str], typing.Optional[list[int]], typing.Optional[list[float]], int)
+    helps = {name: typing.get_args(hint)[1].documentation for name, hint in hints.items()}
+    assert helps == {f.name: f.metadata["help"] for f in dataclasses.fields(NVFP4Recipe)}
+    assert all(helps.values())
+
+
+def test_options_build_the_recipe():
+    Options = options_dataclass("Options", __name__, "options")
+    assert Options().recipe() == NVFP4Recipe()
+    options = Options(scaling="per_token", keep_bf16=["lm_head"], amax_estimation=[2, 1], backend="reference")
+    assert options.recipe() == NVFP4Recipe(scaling=Scaling.PER_TOKEN, keep_bf16=("lm_head",),
+                                           amax_estimation=(2.0, 1.0), backend=BackendName.REFERENCE)
+    with pytest.raises(ValueError, match="NVFP4Recipe.scaling"):
+        Options(scaling="bogus").recipe()
 
 
 def run(recipe, seed=0):
