@@ -1,6 +1,7 @@
 """NVFP4Linear against a float64 emulation of the recipe, training, checkpoints and torch.compile."""
 
 import copy
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -211,7 +212,7 @@ def test_triton_backend_matches_reference(name):
     torch.manual_seed(0)
     ref = NVFP4Linear(64, 32, recipe=RECIPES[name])
     tri = copy.deepcopy(ref)
-    tri.recipe = NVFP4Recipe(**{**RECIPES[name].__dict__, "backend": "triton"})
+    tri.recipe = dataclasses.replace(RECIPES[name], backend="triton")
     x = torch.randn(2, 16, 64)
     dy = torch.randn(2, 16, 32)
     out = []
@@ -233,8 +234,8 @@ def test_gpu_triton_layer_matches_reference_backend(name, device):
     torch.manual_seed(0)
     ref = NVFP4Linear(1024, 768, recipe=RECIPES[name], device=device)
     tri = copy.deepcopy(ref)
-    ref.recipe = NVFP4Recipe(**{**RECIPES[name].__dict__, "backend": "reference"})
-    tri.recipe = NVFP4Recipe(**{**RECIPES[name].__dict__, "backend": "triton"})
+    ref.recipe = dataclasses.replace(RECIPES[name], backend="reference")
+    tri.recipe = dataclasses.replace(RECIPES[name], backend="triton")
     x = torch.randn(4, 256, 1024, device=device)  # fp32 outputs: no bf16 rounding of the difference
     dy = torch.randn(4, 256, 768, device=device)
     out = []
