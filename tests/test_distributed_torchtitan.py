@@ -13,25 +13,12 @@ pytest.importorskip("torchtitan.protocols.model_converter",
 
 import nvfp4_recipe as nr  # noqa: E402
 from nvfp4_recipe.linear import NVFP4Linear  # noqa: E402
+from torchtitan_cases import converters as _converters, job as _job  # noqa: E402
 
 OPTIONS = ["--nvfp4.keep_bf16", "output,layers.1.attention.*", "--nvfp4.scaling", "per_token",
            "--nvfp4.seed", "3", "--nvfp4.amax_estimation", "2", "1"]
 RECIPE = nr.NVFP4Recipe(keep_bf16=("output", "layers.1.attention.*"), scaling="per_token", seed=3,
                         amax_estimation=(2.0, 1.0))
-
-
-def _job(*options):
-    from torchtitan.config import ConfigManager
-    return ConfigManager().parse_args(["--job.custom_config_module", "nvfp4_recipe.torchtitan",
-                                       "--model.hf_assets_path", ".",  # no tokenizer needed
-                                       "--model.converters", "nvfp4", *options])
-
-
-def _converters(job):
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.model_converter import build_model_converters
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    return build_model_converters(job, dims)
 
 
 def _debug_model():
