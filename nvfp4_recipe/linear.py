@@ -25,8 +25,7 @@ if torch.distributed.is_available():
 else:  # a build without torch.distributed has no DTensor weights
     DTensor = ()
 
-from . import ops
-from .backends import Backend, get_backend
+from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
 from .kernels.philox import next_key
 from .kernels.runtime import tracing
@@ -191,27 +190,6 @@ def _backend_name(name: str, device: torch.device) -> str:
     return get_backend(name, device).name
 
 
-def _fprop(x, weight, bias, recipe: NVFP4Recipe, signs, out_dtype, need_wt: bool, need_xt: bool,
-           backend: str, shard: Optional["TensorParallelShard"], w: Optional[NVFP4Operand] = None):
-    """:func:`linear_fprop` through ``ops`` (a custom op under torch.compile), or directly for a
-    tensor-parallel shard or a weight already quantized (``w``, :func:`cached_weights`; eager
-    mode only)."""
-    if shard is None and w is None:
-        return ops.fprop(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend)
-    return linear_fprop(get_backend(backend, x.device), x, weight, bias, recipe, signs, out_dtype,
-                        need_wt, need_xt, shard, w)
-
-
-def _grads(dy, wt, xt, recipe: NVFP4Recipe, signs, seed, dx_dtype, dw_dtype, backend: str,
-           shard: Optional["TensorParallelShard"]):
-    """:func:`linear_grads` through ``ops``, or directly for a tensor-parallel shard (as
-    :func:`_fprop`)."""
-    if shard is None:
-        return ops.grads(dy, wt, xt, recipe, signs, seed, dx_dtype, dw_dtype, backend)
-    return linear_grads(get_backend(backend, dy.device), dy, wt, xt, recipe, signs, seed, dx_dtype,
-                        dw_dtype, shard)
-
-
 class _NVFP4LinearFn(torch.autograd.Function):
     """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (:func:`linear_fprop`,
     :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
@@ -225,7 +203,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
                              f"number of tokens (product of the input's leading dims) must be a "
                              f"multiple of {BLOCK}, got {x.shape[0]} (inference under torch.no_grad "
                              f"takes any number)")
-        y, wt, xt = _fprop(x, weight, bias, recipe, signs, out_dtype, need_dx, need_dw, backend, shard)
+        y, wt, xt = linear_fprop(resolved(backend), x, weight, bias, recipe, signs, out_dtype,
+                                 need_dx, need_dw, shard)
         ctx.recipe, ctx.backend, ctx.sr_rank, ctx.shard = recipe, backend, sr_rank, shard
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -249,8 +228,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wt, xt = wt if need_dx else None, xt if need_dw else None
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = _grads(dy, wt, xt, ctx.recipe, signs, seed, ctx.x_dtype, ctx.w_dtype,
-                            ctx.backend, ctx.shard)
+            dx, dw = linear_grads(resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs, seed,
+                                  ctx.x_dtype, ctx.w_dtype, ctx.shard)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
@@ -387,8 +366,9 @@ class NVFP4Linear(nn.Linear):
                                          _local(self.sr_step), self.recipe, backend, out_dtype,
                                          self.sr_rank, shard)
             else:
-                y = _fprop(x2, weight, bias, self.recipe, signs, out_dtype, False, False, backend,
-                           shard, self._cached_weight(weight, backend, shard))[0]
+                y = linear_fprop(resolved(backend), x2, weight, bias, self.recipe, signs,
+                                 out_dtype, False, False, shard,
+                                 self._cached_weight(weight, backend, shard))[0]
             if self.captured is not None and x2.shape[0] and shard is None:
                 self._capture(x2, y, backend)
         # _unsafe_view: the (..., N) result is not a view of the (M, N) GEMM output, as with

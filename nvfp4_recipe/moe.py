@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import get_backend
 from .backends.grouped import GroupedBackend, check_offsets, get_grouped_backend
 from .formats import BLOCK
-from .linear import _out_dtype, next_sr_key
+from .linear import _backend_name, _out_dtype, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole
@@ -155,7 +154,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
 def _grouped_linear(x, w, offs, recipe, signs, sr, backend):
     """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step, sr_rank)."""
     out_dtype = _out_dtype(x)
-    backend = get_backend(backend, w.device).name
+    backend = _backend_name(backend, w.device)
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return _GroupedLinearFn.apply(x, w, offs, signs, sr, recipe, backend, out_dtype)

@@ -136,7 +136,7 @@ def test_inductor_stores_the_layers_input_once(device):
     read by the amax pass and the quantize pair. Inductor must store that result once, as before
     a bf16 matmul: it gave every kernel argument reading such a reshape a copy of its own (the
     GELU kernel wrote 5, the RMSNorm kernel 6 outputs) until the layer's operators passed their
-    input as an ``as_strided`` view (ops._stored)."""
+    input as an ``as_strided`` view (backends/operators._stored)."""
     from torch._inductor.utils import run_and_get_code
 
     class Block(nn.Module):
@@ -165,7 +165,7 @@ def test_inductor_stores_the_layers_input_once(device):
 
 def test_compiled_layer_on_a_view_with_a_storage_offset(device):
     """The layer's operators take x and dY as ``as_strided`` views of their storage while tracing
-    (ops._stored): an input that starts inside its storage (a slice along the batch) and its
+    (backends/operators._stored): an input that starts inside its storage (a slice along the batch) and its
     gradient give the eager bits under aot_eager and the eager result within the bound of
     test_compiled_step_matches_eager under Inductor."""
     torch.manual_seed(3)

@@ -11,6 +11,8 @@ from torch import nn
 import nvfp4_recipe as nr
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe, dequantize_, quantize_
 from nvfp4_recipe import reference as R
+from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.linear import linear_fprop, linear_grads
 from nvfp4_recipe.recipe import SR_OFFSETS
 from nvfp4_recipe.spec import Block, GemmRole, QuantSpec
 
@@ -249,26 +251,26 @@ def test_gpu_triton_layer_matches_reference_backend(name, device):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_eager_calls_equal_the_custom_ops(backend):
-    """In eager mode ``ops.fprop`` / ``ops.grads`` call the layer's functions directly (a custom
-    op's dispatch costs host time); the custom ops that torch.compile traces must return the same
-    bits."""
-    from nvfp4_recipe import ops
-
+def test_eager_calls_equal_the_registered_operators(backend):
+    """In eager mode a backend primitive runs its Python directly (an operator's dispatch costs
+    host time); the registered operators that torch.compile calls instead
+    (``backends/operators.py``) must return the same bits, through the layer's whole algorithm."""
     torch.manual_seed(0)
     r = NVFP4Recipe(backend=backend)
+    be = get_backend(backend, "cpu")
     x, w, dy = torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)
     seed, signs = torch.tensor(7 + (3 << 32)), r.signs()
 
     def run(compiling: bool):
         with mock.patch.object(torch.compiler, "is_compiling", lambda: compiling):
-            y, wt, xt = ops.fprop(x, w, None, r, signs, torch.float32, True, True, backend)
-            y_eval, no_wt, no_xt = ops.fprop(x, w, None, r, signs, torch.float32, False, False, backend)
+            y, wt, xt = linear_fprop(be, x, w, None, r, signs, torch.float32, True, True)
+            y_eval, no_wt, no_xt = linear_fprop(be, x, w, None, r, signs, torch.float32, False, False)
             assert no_wt is None and no_xt is None and torch.equal(y_eval, y)
-            grads = ops.grads(dy, wt, xt, r, signs, seed, torch.float32, torch.float32, backend)
-        return [y, y_eval, *wt[:3], *xt[:3], *grads]
+            grads = linear_grads(be, dy, wt, xt, r, signs, seed, torch.float32, torch.float32)
+        return [y, y_eval, *wt[:3], *xt[:3], *grads], (wt.block, xt.block)
 
-    direct, via_ops = run(False), run(True)
+    (direct, blocks), (via_ops, op_blocks) = run(False), run(True)
+    assert blocks == op_blocks == (Block.D2, Block.D1)
     assert len(direct) == len(via_ops) == 10
     for a, b in zip(direct, via_ops):
         assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
@@ -276,15 +278,15 @@ def test_eager_calls_equal_the_custom_ops(backend):
 
 
 def _record_fprop_calls(monkeypatch):
-    """Records (tokens, need_wt, need_xt) of every ops.fprop call of NVFP4Linear."""
-    from nvfp4_recipe import ops
-    calls, fprop = [], ops.fprop
+    """Records (tokens, need_wt, need_xt) of every linear_fprop call of NVFP4Linear."""
+    from nvfp4_recipe import linear
+    calls, fprop = [], linear.linear_fprop
 
-    def spy(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend):
+    def spy(be, x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, *args):
         calls.append((x.shape[0], need_wt, need_xt))
-        return fprop(x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, backend)
+        return fprop(be, x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, *args)
 
-    monkeypatch.setattr(ops, "fprop", spy)
+    monkeypatch.setattr(linear, "linear_fprop", spy)
     return calls
 
 

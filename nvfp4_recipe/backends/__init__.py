@@ -20,7 +20,8 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..operand import NVFP4Operand
-from ..spec import QuantSpec
+from ..spec import BackendName, QuantSpec
+from .operators import register_methods
 
 log = logging.getLogger("nvfp4_recipe")
 
@@ -30,7 +31,7 @@ IntOrTensor = Union[int, torch.Tensor]
 # and the quantize pass; returns the amax to use instead (distributed.py: the max over the shards
 # of a tensor-parallel operand). None: the operand's own amax.
 AmaxReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
-NAMES = ("reference", "triton", "native")
+NAMES = tuple(b.value for b in BackendName if b is not BackendName.AUTO)
 
 
 class Backend(abc.ABC):
@@ -45,6 +46,9 @@ class Backend(abc.ABC):
     """
 
     name: str
+    # torch.compile traces the primitives' bodies (triton_op) rather than keeping them opaque
+    traced: bool = False
+    PRIMITIVES = ("quantize", "quantize_pair", "prepare_weight", "prepare", "mm")
 
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
@@ -108,8 +112,12 @@ _WARNED = set()
 
 
 def register_backend(cls) -> type:
-    """Class decorator: make a :class:`Backend` subclass selectable by its ``name``."""
+    """Class decorator: make a :class:`Backend` subclass selectable by its ``name``, with its
+    primitives registered as torch operators (``operators.py``: the compile boundary)."""
     _CLASSES[cls.name] = cls
+    _INSTANCES[cls.name] = cls()
+    register_methods(cls, _INSTANCES[cls.name], Backend.PRIMITIVES, cls.name,
+                     traced=Backend.PRIMITIVES if cls.traced else ())
     return cls
 
 
@@ -146,6 +154,12 @@ def _available(name: str, device: torch.device) -> Optional[str]:
     return None
 
 
+def resolved(name: str) -> Backend:
+    """The backend registered as ``name``, a resolved name (:func:`get_backend`'s ``.name``): a
+    dict lookup that torch.compile traces."""
+    return _INSTANCES[name]
+
+
 def get_backend(name: str, device: torch.device) -> Backend:
     """The backend for ``name`` ("auto", "reference", "triton", "native") on ``device``.
 
@@ -158,6 +172,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         ValueError: an unknown name, or a backend named explicitly that cannot run on ``device``.
     """
     device = torch.device(device)
+    if isinstance(name, BackendName):  # one cache entry and one spelling in messages per backend
+        name = name.value
     if device.type == "cuda":
         return _cuda_backend(name, device)
     return _resolve(name, device)
@@ -178,8 +194,6 @@ def _resolve(name: str, device: torch.device) -> Backend:
         why = _available(name, device)
         if why is not None:
             raise ValueError(f"NVFP4 backend {name!r} cannot run here: {why}")
-    if name not in _INSTANCES:
-        _INSTANCES[name] = _CLASSES[name]()
     return _INSTANCES[name]
 
 

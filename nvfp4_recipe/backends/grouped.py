@@ -12,6 +12,7 @@ weight quantization and the grouped GEMM (docs/moe.md).
 Seeds and offsets may be ints or device int64 scalars, as for the dense primitives.
 """
 
+import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -21,8 +22,10 @@ from ..formats import BLOCK
 from ..operand import GroupedOperand, NVFP4Operand
 from ..spec import Block, QuantSpec
 from . import IntOrTensor, get_backend, warn_once
+from .operators import register_methods
 
 Offsets = Tuple[Tuple[int, int], ...]
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_offsets(offs: torch.Tensor, rows: int) -> None:
@@ -372,7 +375,46 @@ def native_grouped_mm(a: GroupedOperand, b: NVFP4Operand) -> torch.Tensor:
         offs=a.offs, output_dtype=torch.bfloat16)
 
 
+def _fake_groups(x: torch.Tensor, offs: torch.Tensor, spec: QuantSpec, along_k: bool) -> GroupedOperand:
+    """The shapes of the reference's copy of the token groups under ``spec`` (codes)."""
+    m, k = x.shape
+    rows, cols = (k, m) if along_k else (m, k)
+    n_groups = offs.shape[0]
+    if spec.per_token:
+        outer = (n_groups, k) if along_k else (m,)
+    else:
+        outer = (n_groups,)
+    data = NVFP4Operand(x.new_empty(rows, cols // 2, dtype=torch.uint8),
+                        x.new_empty(rows, cols // BLOCK, dtype=torch.float8_e4m3fn),
+                        x.new_empty(outer, dtype=torch.float32))
+    return GroupedOperand(data, offs, along_k, spec.per_token)
+
+
+def _fake_quantize(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
+                   transient=(False, False), prepare=None):
+    """:meth:`GroupedBackend.quantize` on fake tensors (its body reads the group bounds)."""
+    return (None if row is None else _fake_groups(x, offs, row, False),
+            None if col is None else _fake_groups(x, offs, col, True), prepare)
+
+
+def _fake_mm(self, a, b, *, out_dtype=torch.float32):
+    """:meth:`GroupedBackend.mm` on fake tensors (its body reads the group bounds)."""
+    if isinstance(b, GroupedOperand):
+        return a.data.outer_scale.new_empty(a.groups, a.data.rows, b.data.rows, dtype=out_dtype)
+    return a.data.outer_scale.new_empty(a.data.rows, _expert_rows(b), dtype=out_dtype)
+
+
 _GROUPED = {"reference": GroupedBackend(), "triton": TritonGrouped(), "native": NativeGrouped()}
+_PRIMITIVES = ("quantize", "quantize_experts", "mm")
+# The grouped GEMM stays opaque everywhere: it makes host-side TMA descriptors, which a recorded
+# launch would drop. Triton's quantize kernels are traced on a GPU.
+_TRACED = {"reference": (), "triton": () if _INTERPRET else ("quantize", "quantize_experts"),
+           "native": ("quantize", "quantize_experts")}
+_FAKES = {"reference": {"quantize": _fake_quantize, "mm": _fake_mm}, "triton": {"mm": _fake_mm},
+          "native": {"mm": _fake_mm}}
+for _name, _backend in _GROUPED.items():
+    register_methods(type(_backend), _backend, _PRIMITIVES, f"grouped_{_name}",
+                     traced=_TRACED[_name], fakes=_FAKES[_name])
 
 
 def get_grouped_backend(name: str, device: torch.device) -> GroupedBackend:

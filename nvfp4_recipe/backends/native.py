@@ -85,6 +85,7 @@ class NativeBackend(ReferenceBackend):
     """sm100+ FP4 tensor cores for the GEMM; quantization is the reference implementation."""
 
     name = "native"
+    traced = True
 
     def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias=None,
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

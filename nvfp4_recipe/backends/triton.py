@@ -27,7 +27,7 @@ from ..kernels import amax as A
 from ..kernels import gemm as G
 from ..kernels.dequantize import dequantize_inner
 from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
-from ..kernels.runtime import inner_values_supported
+from ..kernels.runtime import inner_values_supported, interpreting
 from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
 from ..streams import SideStream
@@ -66,6 +66,7 @@ class TritonBackend(Backend):
     """Fused Triton quantization kernels and the Triton NVFP4 GEMM (sm80/sm90; the interpreter)."""
 
     name = "triton"
+    traced = not interpreting()
 
     def __init__(self):
         self._forks = threading.local()  # side-stream work the next mm waits for

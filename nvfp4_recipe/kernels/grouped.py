@@ -47,7 +47,7 @@ from .hadamard import rht16
 from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
                        empty_2d, empty_copy, quantize_2d_tile, ride_dequantize)
 from .rounding import abs_bits, outer_scales, round_to
-from .runtime import (capability, cdiv, check_runnable, interpreting, next_pow2, num_sms,
+from .runtime import (Launcher, capability, cdiv, check_runnable, interpreting, next_pow2, num_sms,
                       prune_wide_tiles, scalar, scalar_arg)
 from .tiles import load_col_blocks, load_row_blocks
 
@@ -164,6 +164,9 @@ def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr
         tl.atomic_max(col_ptr + j, col_acc, mask=j < G)
 
 
+_GROUPED_AMAX = Launcher(_grouped_amax_kernel)
+
+
 def _amax_mode(spec: Optional[QuantSpec]) -> int:
     if spec is None:
         return NONE
@@ -194,7 +197,7 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
     grid = lambda meta: (min(cdiv(m, 16 * meta["BB"]) * cdiv(k, 16 * meta["BC"]),
                              sms * meta["P"]),)
     if m and k and n_groups:
-        _grouped_amax_kernel[grid](x, m, k, x.stride(0), x.stride(1), offs, n_groups,
+        _GROUPED_AMAX[grid](x, m, k, x.stride(0), x.stride(1), offs, n_groups,
                                    signs if col_rht else out, out, n_row,
                                    ROW=r_mode, COL=c_mode, COL_RHT=col_rht,
                                    GP=next_pow2(n_groups))
@@ -302,6 +305,9 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
                         D_BLOCK_2D, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
+_QUANTIZE_GROUPED = Launcher(_quantize_grouped_kernel)
+
+
 def check_offsets(offs: torch.Tensor, device: torch.device) -> None:
     """Raise unless ``offs`` is a 1-D int32 tensor on ``device`` (its values, nondecreasing
     multiples of 16 ending at most at the number of rows, are the caller's contract: checking them
@@ -377,7 +383,7 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
     d_args, d_consts = dequantize_job(dequantize, dummy)
     grid = lambda meta: (max(1, cdiv(m, 16 * meta["BB"])), cdiv(k, 16 * meta["BC"]))
     if k and (row or col):
-        _quantize_grouped_kernel[grid](
+        _QUANTIZE_GROUPED[grid](
             x, m, k, x.stride(0), x.stride(1), offs, n_groups, signs_t, seed_a, 16,
             *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
             row_amax if r else dummy, float(row.amax_scale or 1.0) if r else 1.0, roff_a,
@@ -418,6 +424,9 @@ def _experts_2d_kernel(w_ptr, N, K, stride_g, stride_n, stride_k, amax_ptr, mult
                      scalar_arg(seed_arg, SEED_PTR), off, mul16, q_g, s_ptr + g * scales,
                      qt_ptr + g * words, st_ptr + g * scales, o_ptr + g,
                      tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, BB, BC)
+
+
+_EXPERTS_2D = Launcher(_experts_2d_kernel)
 
 
 def expert_offsets(groups: int, rows: int, device) -> torch.Tensor:
@@ -472,7 +481,7 @@ def quantize_experts(w: torch.Tensor, spec: QuantSpec, *, write_w: bool = True,
     off_a, off_p = scalar(offset, dev)
     grid = lambda meta: (cdiv(n, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]), n_groups)
     if w.numel():
-        _experts_2d_kernel[grid](
+        _EXPERTS_2D[grid](
             w, n, k, w.stride(0), w.stride(1), w.stride(2), amax, float(spec.amax_scale or 1.0),
             seed_a, off_a, 16, *(_pointers(wq) if wq else (w, w)),
             *(_pointers(wtq) if wtq else (w, w)), outer,
