@@ -54,7 +54,8 @@ _import_torchao_quietly()
 
 from .api import dequantize_, quantize_  # noqa: E402
 from .inspect import capture, summary, tensor_stats  # noqa: E402
-from .linear import NVFP4Linear, cached_weights  # noqa: E402
+from .layer import cached_weights  # noqa: E402
+from .linear import NVFP4Linear  # noqa: E402
 from .moe import NVFP4GroupedExperts, NVFP4HFExperts  # noqa: E402
 from .operand import NVFP4Operand  # noqa: E402
 from .recipe import NVFP4Recipe  # noqa: E402

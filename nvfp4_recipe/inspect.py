@@ -10,6 +10,7 @@ from torch import nn
 
 from . import reference as R
 from .formats import E2M1_GRID, unpack_nibbles
+from .layer import NVFP4Module
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
 from .spec import GemmRole, QuantSpec
@@ -50,8 +51,9 @@ def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
 
 @contextlib.contextmanager
 def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
-    """Record the NVFP4 operands each NVFP4Linear of ``model`` uses in the steps run inside the
-    context, as :class:`NVFP4Tensor` s (the last step's, per layer).
+    """Record the NVFP4 operands each NVFP4 module of ``model`` (NVFP4Linear and the experts
+    modules) uses in the steps run inside the context, as :class:`NVFP4Tensor` s (the last
+    step's, per module).
 
     Yields a dict ``{layer fqn: {name: NVFP4Tensor}}`` filled as the steps run: after a forward,
     ``"w"`` (W as fprop's B, (N, K)), ``"x"`` (X as fprop's A, (M, K)) and, when the token count
@@ -61,6 +63,10 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
     bits the GEMMs used (it costs those quantizations again; eager mode only, not under
     torch.compile). Outside the context the layers record nothing.
 
+    An experts module records ``{projection: {name: [NVFP4Tensor, ...]}}`` with the same names:
+    one tensor per expert for ``"w"`` (W_g, (N, K)), one per token group for the others (the
+    group's tokens as the grouped GEMMs quantize them: X_g (M_g, K), X_g^T (K, M_g), ...).
+
     Example::
 
         with nvfp4_recipe.capture(model) as ops:
@@ -68,7 +74,7 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
         print(ops["blocks.0.fc1"]["dy"])          # the SR-quantized output gradient
         nvfp4_recipe.tensor_stats(...)
     """
-    layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NVFP4Module)}
     for layer in layers.values():
         layer.captured = {}
     try:

@@ -22,19 +22,20 @@ the modules :func:`register_experts` knows, keeping their Parameters.
 """
 
 import fnmatch
-import zlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends.grouped import GroupedBackend, check_offsets, get_grouped_backend
+from .backends.grouped import (GroupedBackend, check_offsets, expert_slice, group_bounds,
+                               group_slice, resolved_grouped)
 from .formats import BLOCK
-from .linear import _backend_name, _out_dtype, next_sr_key
+from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, sr_key, training
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole
+from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
            "grouped_grads", "pad_groups", "register_experts", "experts_modules", "router_ids"]
@@ -45,7 +46,7 @@ __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_lin
 # ----------------------------------------------------------------------------------------------
 def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                   recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype,
-                  need_wt: bool, need_xt: bool,
+                  need_wt: bool, need_xt: bool, wq: Optional[NVFP4Operand] = None,
                   ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand]]:
     """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``gb``.
 
@@ -53,11 +54,16 @@ def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: to
         x: (T, K) tokens sorted by expert; offs: int32 (G,) group ends; w: (G, N, K) weights.
         signs: (16,) RHT signs of the wgrad copies.
         need_wt, need_xt: also quantize each W_g^T (for dgrad) and each X_g^T (for wgrad).
+        wq: the weights as ``gb.quantize_experts`` made them for fprop (:func:`cached_weights`),
+            or None to quantize ``w`` here; only without need_wt.
     Returns:
         (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
         grouped along the tokens or None): the copies backward keeps, as codes.
     """
-    wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt, transient=True)
+    wt = None
+    if wq is None:
+        wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
+                                     transient=True)
     xq, xt, _ = gb.quantize(x, offs, recipe.spec(GemmRole.X_FPROP),
                          recipe.spec(GemmRole.X_WGRAD) if need_xt else None, signs=signs,
                          transient=(True, False))
@@ -98,8 +104,8 @@ class _GroupedLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, offs, signs, sr, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gb = get_grouped_backend(backend, x.device)
-        y, wt, xt = grouped_fprop(gb, x, offs, w, recipe, signs, out_dtype, need_dx, need_dw)
+        y, wt, xt = grouped_fprop(resolved_grouped(backend), x, offs, w, recipe, signs, out_dtype,
+                                  need_dx, need_dw)
         ctx.recipe, ctx.backend, ctx.sr = recipe, backend, sr
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.w_block = wt.block if wt is not None else None
@@ -118,7 +124,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         sr_seed, sr_step, sr_rank = ctx.sr
         seed = next_sr_key(sr_seed, sr_step, sr_rank)
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = grouped_grads(get_grouped_backend(ctx.backend, dy.device), dy.contiguous(),
+            dx, dw = grouped_grads(resolved_grouped(ctx.backend), dy.contiguous(),
                                    offs, wt if ctx.needs_input_grad[0] else None,
                                    xt if ctx.needs_input_grad[1] else None, ctx.recipe, signs,
                                    seed, ctx.x_dtype, ctx.w_dtype)
@@ -148,18 +154,18 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     """
     check_offsets(offs, x.shape[0])
     return _grouped_linear(x, w, offs, recipe, signs, (sr_seed, sr_step, sr_rank),
-                           backend or recipe.backend)
+                           backend_name(backend or recipe.backend.value, w.device))
 
 
-def _grouped_linear(x, w, offs, recipe, signs, sr, backend):
-    """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step, sr_rank)."""
-    out_dtype = _out_dtype(x)
-    backend = _backend_name(backend, w.device)
+def _grouped_linear(x, w, offs, recipe, signs, sr, backend, wq=None):
+    """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step, sr_rank);
+    ``wq``: the cached fprop weights (inference only)."""
+    y_dtype = out_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return _GroupedLinearFn.apply(x, w, offs, signs, sr, recipe, backend, out_dtype)
-        gb = get_grouped_backend(backend, x.device)
-        return grouped_fprop(gb, x, offs, w, recipe, signs, out_dtype, False, False)[0]
+        if training(x, w):
+            return _GroupedLinearFn.apply(x, w, offs, signs, sr, recipe, backend, y_dtype)
+        return grouped_fprop(resolved_grouped(backend), x, offs, w, recipe, signs, y_dtype,
+                             False, False, wq)[0]
 
 
 def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
@@ -188,62 +194,71 @@ def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Ten
 # ----------------------------------------------------------------------------------------------
 # Modules
 # ----------------------------------------------------------------------------------------------
-class NVFP4Experts(nn.Module):
-    """The base of the NVFP4 experts modules: the recipe, the RHT signs, one SR stream per
-    projection and the grouped projections.
+class NVFP4Experts(NVFP4Module):
+    """The base of the NVFP4 experts modules: the grouped projections, one SR stream each
+    (``STREAMS`` = ``PROJECTIONS``), and the high-precision module they were converted from.
 
-    Buffers (saved in the state dict): ``rht_signs`` (16,) float32; ``sr_seed`` (P,) int64, the
-    Philox key of projection p, ``(recipe.seed + layer_seed + crc32(name_p)) mod 2**32``;
-    ``sr_step`` (P,) int64, advanced by each backward of projection p (the stream of a backward is
-    keyed by ``sr_seed[p] + sr_rank + (sr_step[p] << 32)``, ``linear.sr_key``). A checkpoint
-    without them (the high-precision module's) keeps the module's own; moving off the meta device
-    sets them. ``sr_rank``: an int attribute, the data-parallel rank (``distributed.set_sr_rank``),
-    0 by default, as on ``NVFP4Linear``.
+    Buffers and ``sr_rank``: :class:`layer.NVFP4Module` (``sr_seed`` and ``sr_step`` (P,), one
+    per projection, seeded with ``crc32(name_p)`` added). Like ``NVFP4Linear``, the projections
+    quantize each expert weight once inside :func:`cached_weights` in forwards without autograd,
+    and ``inspect.capture`` records their operands (:meth:`_capture`). Initialization
+    (``init_weights``, torchtitan's; ``reset_parameters``) is that of the module converted from,
+    run on this module's Parameters.
     """
 
     PROJECTIONS: Tuple[str, ...] = ()
 
-    def _setup(self, recipe: Optional[NVFP4Recipe], layer_seed: int, device) -> None:
-        self.recipe = recipe if recipe is not None else NVFP4Recipe()
-        self.layer_seed = layer_seed
-        self.sr_rank = 0
-        n = len(self.PROJECTIONS)
-        self.register_buffer("rht_signs", torch.empty(BLOCK, dtype=torch.float32, device=device))
-        self.register_buffer("sr_seed", torch.empty(n, dtype=torch.int64, device=device))
-        self.register_buffer("sr_step", torch.empty(n, dtype=torch.int64, device=device))
-        self.reset_recipe_buffers()
-
-    @torch.no_grad()
-    def reset_recipe_buffers(self) -> None:
-        """Set ``rht_signs``, ``sr_seed`` and ``sr_step`` (in place) to a new module's values."""
-        self.rht_signs.copy_(self.recipe.signs())
-        seeds = [(self.recipe.seed + self.layer_seed + zlib.crc32(p.encode())) & 0xFFFFFFFF
-                 for p in self.PROJECTIONS]
-        self.sr_seed.copy_(torch.tensor(seeds, dtype=torch.int64))
-        self.sr_step.zero_()
-
-    def _apply(self, fn, recurse=True):
-        was_meta = self.sr_step.is_meta  # to_empty gives the buffers uninitialized memory
-        super()._apply(fn, recurse)
-        if was_meta and not self.sr_step.is_meta:
-            self.reset_recipe_buffers()
-        return self
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        for name in ("rht_signs", "sr_seed", "sr_step"):
-            state_dict.setdefault(prefix + name, getattr(self, name))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-
     def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
-        return _grouped_linear(x, w, offs, self.recipe, self.rht_signs,
-                               (self.sr_seed[p], self.sr_step[p], self.sr_rank),
-                               self.recipe.backend)
+        backend = backend_name(self.recipe.backend.value, w.device)
+        wq = None if training(x, w) else self.cached_operand(
+            self.PROJECTIONS[p], w, backend, lambda: resolved_grouped(backend).quantize_experts(
+                w, self.recipe.spec(GemmRole.W_FPROP), need_t=False, transient=True)[0])
+        y = _grouped_linear(x, w, offs, self.recipe, self.rht_signs, self.sr_state(p), backend, wq)
+        if self.captured is not None:
+            self._capture(p, x, offs, w, y, backend)
+        return y
+
+    def _capture(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+                 y: torch.Tensor, backend: str) -> None:
+        """Record the operands of projection ``p``'s GEMMs in ``self.captured[name]``
+        (``inspect.capture``): lists with one :class:`NVFP4Tensor` per expert (``"w"``) or per
+        token group (``"x"``, ``"xt"`` now; ``"dy"``, ``"dyt"`` when the gradient of ``y``
+        arrives), quantized again with the step's specs, signs and SR stream, so they hold the
+        bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
+        gb, r, signs = resolved_grouped(backend), self.recipe, self.rht_signs
+        bounds = group_bounds(offs)
+        record = self.captured.setdefault(self.PROJECTIONS[p], {})
+
+        def groups(op, role):
+            spec = r.spec(role)
+            return [NVFP4Tensor.from_operand(group_slice(op, g, s, e), spec, x.dtype,
+                                             signs if spec.rht else None, backend)
+                    for g, (s, e) in enumerate(bounds)]
+
+        with torch.no_grad():
+            spec = r.spec(GemmRole.W_FPROP)
+            wq = gb.quantize_experts(w.detach(), spec, need_t=False)[0]
+            record["w"] = [NVFP4Tensor.from_operand(expert_slice(wq, g), spec, w.dtype,
+                                                    backend=backend) for g in range(w.shape[0])]
+            xq, xt, _ = gb.quantize(x.detach(), offs, r.spec(GemmRole.X_FPROP),
+                                    r.spec(GemmRole.X_WGRAD), signs=signs)
+            record.update(x=groups(xq, GemmRole.X_FPROP), xt=groups(xt, GemmRole.X_WGRAD))
+        if y.requires_grad:
+            seed = sr_key(*self.sr_state(p))  # before backward advances it
+
+            def record_dy(dy):
+                with torch.no_grad():
+                    dyq, dyt, _ = gb.quantize(
+                        dy.contiguous(), offs, r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD),
+                        seed=seed, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
+                        col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs)
+                    record.update(dy=groups(dyq, GemmRole.DY_DGRAD),
+                                  dyt=groups(dyt, GemmRole.DY_WGRAD))
+            y.register_hook(record_dy)
 
     def high_precision(self) -> nn.Module:
-        """The high-precision module this one was made from (sharing the Parameters).
+        """The high-precision module this one was made from, holding this module's Parameters.
 
         Raises:
             ValueError: the module was built directly, not converted from one.
@@ -251,13 +266,33 @@ class NVFP4Experts(nn.Module):
         if self._original is None:
             raise ValueError(f"this {type(self).__name__} was built directly; there is no "
                              f"high-precision module to return")
+        for name, _ in list(self._original.named_parameters(recurse=False)):
+            setattr(self._original, name, getattr(self, name))  # to_empty made new Parameters
         return self._original
+
+    def init_weights(self, *args, **kwargs) -> None:
+        """The converted module's ``init_weights`` (torchtitan's trainer calls it after
+        ``to_empty``) on this module's Parameters, in its order and with its random draws.
+
+        Raises:
+            ValueError: built directly (no module to delegate to). AttributeError: that module
+                has no ``init_weights``.
+        """
+        self.high_precision().init_weights(*args, **kwargs)
+
+    def reset_parameters(self) -> None:
+        """The converted module's ``reset_parameters`` on this module's Parameters, if it has
+        one, and :meth:`reset_recipe_buffers`."""
+        original = self.high_precision()
+        if hasattr(original, "reset_parameters"):
+            original.reset_parameters()
+        self.reset_recipe_buffers()
 
     def extra_repr(self) -> str:
         r = self.recipe
         parts = ["rht" if r.rht else "no-rht", "sr" if r.stochastic_rounding else "rn",
-                 "2d-weights" if r.weight_2d else "1d-weights", r.scaling]
-        return f"experts={self.num_experts}, recipe=nvfp4({', '.join(parts)}), backend={r.backend}"
+                 "2d-weights" if r.weight_2d else "1d-weights", r.scaling.value]
+        return f"experts={self.num_experts}, recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
 
 
 def _padded(x: torch.Tensor, counts: torch.Tensor):
@@ -278,7 +313,7 @@ class NVFP4GroupedExperts(NVFP4Experts):
     Projections (SR streams): "w1", "w3", "w2". See :class:`NVFP4Experts` for the buffers.
     """
 
-    PROJECTIONS = ("w1", "w3", "w2")
+    PROJECTIONS = STREAMS = ("w1", "w3", "w2")
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int,
                  recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0, device=None,
@@ -293,7 +328,7 @@ class NVFP4GroupedExperts(NVFP4Experts):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
-        self._setup(recipe, layer_seed, device)
+        self._init_nvfp4(recipe, layer_seed, device)
         object.__setattr__(self, "_original", None)
 
     @classmethod
@@ -304,7 +339,7 @@ class NVFP4GroupedExperts(NVFP4Experts):
         g, hidden, dim = experts.w1.shape
         new = cls(dim, hidden, g, recipe, layer_seed, device="meta")
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        new._setup(new.recipe, layer_seed, experts.w1.device)
+        new._init_nvfp4(new.recipe, layer_seed, experts.w1.device)
         object.__setattr__(new, "_original", experts)
         new.train(experts.training)
         return new
@@ -331,7 +366,7 @@ class NVFP4HFExperts(NVFP4Experts):
     Projections (SR streams): "gate_up_proj", "down_proj". See :class:`NVFP4Experts`.
     """
 
-    PROJECTIONS = ("gate_up_proj", "down_proj")
+    PROJECTIONS = STREAMS = ("gate_up_proj", "down_proj")
 
     def __init__(self, experts: nn.Module, recipe: Optional[NVFP4Recipe] = None,
                  layer_seed: int = 0):
@@ -341,7 +376,7 @@ class NVFP4HFExperts(NVFP4Experts):
         self.num_experts = experts.gate_up_proj.shape[0]
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.act_fn = experts.act_fn
-        self._setup(recipe, layer_seed, experts.gate_up_proj.device)
+        self._init_nvfp4(recipe, layer_seed, experts.gate_up_proj.device)
         object.__setattr__(self, "_original", experts)
         self.train(experts.training)
 
@@ -357,7 +392,7 @@ class NVFP4HFExperts(NVFP4Experts):
         weighted = h * top_k_weights.reshape(-1)[perm, None].to(h.dtype)
         out = torch.zeros(tokens * k, h.shape[1], dtype=h.dtype, device=h.device)
         out = out.index_copy(0, perm, weighted)
-        return out.view(tokens, k, -1).sum(dim=1).to(_out_dtype(hidden_states))
+        return out.view(tokens, k, -1).sum(dim=1).to(out_dtype(hidden_states))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import nvfp4_recipe as nr
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.distributed import data_parallel_rank, set_sr_rank
 from nvfp4_recipe.formats import e2m1_decode
-from nvfp4_recipe.linear import NVFP4Linear, sr_key
+from nvfp4_recipe.layer import sr_key
+from nvfp4_recipe.linear import NVFP4Linear
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.spec import GemmRole
 

@@ -121,7 +121,7 @@ def check_next_sr_key(draw, device):
         seed = torch.randint(0, 2**32, (), generator=gen, dtype=torch.int64).to(device)
         step = torch.randint(0, 2**31, (), generator=gen, dtype=torch.int64).to(device)
         before = int(step)
-        want = int(nr.linear.sr_key(seed, step.clone(), rank))
+        want = int(nr.layer.sr_key(seed, step.clone(), rank))
         assert int(draw(seed, step, rank)) == want
         assert int(step) == before + 1
 
@@ -130,12 +130,12 @@ def test_next_sr_key_kernel_matches_torch_ops():
     """The one-launch key kernel (run here by the interpreter on CPU tensors) against sr_key."""
     from nvfp4_recipe.kernels.philox import next_key
     check_next_sr_key(next_key, "cpu")
-    check_next_sr_key(nr.linear.next_sr_key, "cpu")  # the torch-op path off CUDA
+    check_next_sr_key(nr.layer.next_sr_key, "cpu")  # the torch-op path off CUDA
 
 
 @pytest.mark.cuda
 def test_cuda_next_sr_key(device):
-    check_next_sr_key(nr.linear.next_sr_key, device)
+    check_next_sr_key(nr.layer.next_sr_key, device)
 
 
 def test_errors():
@@ -480,7 +480,7 @@ def check_cached_weights(monkeypatch, backend: str, device: str, dtype=torch.flo
         with torch.no_grad():
             assert torch.equal(layer(x), updated)
         assert len(calls) == 4
-    assert layer._weight_cache is None
+    assert layer._weight_cache == {}
     with torch.no_grad():
         assert torch.equal(layer(x), updated)
     assert len(calls) == 5  # outside the context: quantized on every call
@@ -510,8 +510,8 @@ def test_cached_weights_are_per_context_and_not_under_compile(monkeypatch):
         with nr.cached_weights():
             outer(x), inner(x)
         assert len(calls) == 2
-        assert outer._weight_cache is not None and inner._weight_cache is None
+        assert outer._weight_cache and not inner._weight_cache
         got = torch.compile(inner, backend="aot_eager", fullgraph=True)(x)
-        assert inner._weight_cache is None  # a compiled forward does not cache
+        assert not inner._weight_cache  # a compiled forward does not cache
         assert torch.equal(got, inner(x)) and torch.equal(outer(x), want)
-    assert outer._weight_cache is None and inner._weight_cache is None
+    assert outer._weight_cache == inner._weight_cache == {}

@@ -28,7 +28,7 @@ from nvfp4_recipe.api import skip_reasons
 from nvfp4_recipe.backends import grouped as BG
 from nvfp4_recipe.operand import GroupedOperand
 from nvfp4_recipe.recipe import SR_OFFSETS
-from nvfp4_recipe.spec import GemmRole
+from nvfp4_recipe.spec import GemmRole, Rounding
 
 from nvfp4_cases import rand
 from test_kernels_gemm import HALF_ULP, assert_matches_reference
@@ -206,7 +206,7 @@ def test_torchtitan_experts_equal_per_expert_linears():
 
 
 def test_experts_sr_rank_is_added_to_the_key_and_set_sr_rank_reaches_them():
-    """The experts' SR streams are keyed as NVFP4Linear's (``linear.sr_key``): an experts module
+    """The experts' SR streams are keyed as NVFP4Linear's (``layer.sr_key``): an experts module
     with sr_rank r gives the gradients of a rank-0 one whose sr_seed is larger by r, and other
     gradients than rank 0; ``distributed.set_sr_rank`` sets the experts' rank too."""
     from nvfp4_recipe.distributed import set_sr_rank
@@ -281,6 +281,81 @@ def test_experts_inference_is_the_training_forward(backend):
         y = ex(x, counts)
     torch.testing.assert_close(ex(x.requires_grad_(), counts), y, rtol=0, atol=0)
     assert ex.sr_step.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_inference_takes_any_token_count(backend):
+    """Inference with odd token counts (a decode step: 1 or 3 tokens, groups of any length) gives
+    each token the output it gets among the others: the per-token rows of a larger batch."""
+    hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
+    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend, scaling="per_token"))
+    x = torch.randn(21, 32, generator=torch.Generator().manual_seed(1))
+    counts = torch.tensor([5, 0, 13, 3])
+    with torch.no_grad():
+        y = ex(x, counts)
+        assert y.shape == (21, 32) and torch.isfinite(y).all()
+        one = ex(x[5:6], torch.tensor([0, 0, 1, 0]))  # one token, expert 2
+    torch.testing.assert_close(one, y[5:6], rtol=0, atol=0)  # per-token scales: no batch coupling
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_cached_weights_quantize_once_with_the_same_outputs(monkeypatch, backend):
+    """Inside cached_weights() the experts quantize each projection's weights once per weight
+    version (three projections: three calls), with the outputs of uncached forwards."""
+    hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
+    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend))
+    x, counts = torch.randn(40, 32), torch.tensor([10, 10, 0, 20])
+    gb = BG.resolved_grouped(backend)
+    calls, quantize = [], type(gb).quantize_experts
+
+    def spy(self, w, *args, **kwargs):
+        calls.append(w.shape)
+        return quantize(self, w, *args, **kwargs)
+
+    monkeypatch.setattr(type(gb), "quantize_experts", spy)
+    with torch.no_grad():
+        uncached = ex(x, counts)
+        assert len(calls) == 3
+        with nr.cached_weights():
+            outs = [ex(x, counts) for _ in range(3)]
+            assert len(calls) == 6  # once per projection
+            ex.w2.mul_(2)  # a new version of one weight
+            updated = ex(x, counts)
+            assert len(calls) == 7
+        assert ex._weight_cache == {}
+    for out in outs:
+        assert torch.equal(out, uncached)
+    assert not torch.equal(updated, uncached)
+
+
+def test_experts_capture_records_the_operands_the_gemms_used():
+    """``capture`` records each projection's operands per expert / token group; their
+    dequantizations multiply to the projection's output (X_g W_g^T, fprop) and the recorded dY
+    group and W_g^T give dX (dgrad), up to the fp32 sum order."""
+    hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
+    recipe = nr.NVFP4Recipe(backend="reference")
+    model = nn.ModuleDict({"experts": moe.NVFP4GroupedExperts.from_experts(hp, recipe)})
+    x, counts = torch.randn(48, 32), torch.tensor([16, 0, 16, 16])
+    with nr.capture(model) as ops:
+        model["experts"](x, counts).square().sum().backward()
+    rec = ops["experts"]
+    assert set(rec) == {"w1", "w3", "w2"}
+    w1 = rec["w1"]
+    assert set(w1) == {"w", "x", "xt", "dy", "dyt"}
+    assert len(w1["w"]) == 4 and len(w1["x"]) == 4
+    assert w1["w"][0].shape == (48, 32) and w1["x"][2].shape == (16, 32)
+    assert w1["xt"][2].shape == (32, 16) and w1["dyt"][2].shape == (48, 16)
+    assert w1["x"][1].shape == (0, 32)  # an empty group
+    # fprop of w1 on expert 2's tokens: the recorded X_g and W_g give h1 = X_g W_g^T
+    x_g = x[16:32]  # expert 2's tokens (groups are padded to 16: none here)
+    with torch.no_grad():
+        h1 = moe._grouped_linear(x_g, hp.w1[2:3].detach(), torch.tensor([16], dtype=torch.int32),
+                                 recipe, model["experts"].rht_signs,
+                                 model["experts"].sr_state(0), "reference")
+    got = w1["x"][2].dequantize().double() @ w1["w"][2].dequantize().double().t()
+    torch.testing.assert_close(got, h1.double(), rtol=1e-5, atol=1e-6 * h1.abs().max().item())
+    for name in ("dy", "dyt"):
+        assert all(t.rounding == Rounding.SR.value for t in w1[name])
 
 
 # ----------------------------------------------------------------------------------------------

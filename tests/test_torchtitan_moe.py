@@ -1,4 +1,4 @@
-"""torchtitan's MoE models with the ``nvfp4`` converter (torchtitan 0.2, issue 34): deepseek_v3,
+"""torchtitan's MoE models with the ``nvfp4`` converter (torchtitan 0.2): deepseek_v3,
 llama4 and qwen3 (MoE flavor) built, converted, materialized and initialized as torchtitan's
 trainer does (``torchtitan/train.py``: ``model_args.update_from_config(job)``, the model on the
 meta device in the job's dtype, ``build_model_converters(job, dims).convert(model)``,
@@ -70,10 +70,6 @@ MODELS = {
               dict(num_experts=4, top_k=2, use_grouped_mm=False)),  # the CPU workaround above
 }
 NAMES = list(MODELS)
-# the converted models' init_weights raises AttributeError until the NVFP4 experts modules have
-# torchtitan's init_weights (issue 34); any other failure is reported as one
-xfail_init = pytest.mark.xfail(strict=True, raises=AttributeError,
-                               reason="NVFP4GroupedExperts lacks init_weights")
 
 
 def _build(name, convert):
@@ -157,7 +153,6 @@ def test_the_flavors_are_moe_models_whose_experts_fit_nvfp4():
             assert _block_of(model, fqn).moe.router.gate.out_features == g
 
 
-@xfail_init
 @pytest.mark.parametrize("name", NAMES)
 def test_converter_swaps_the_experts_and_init_weights_initializes_them(name):
     """(a) Every torchtitan GroupedExperts became an NVFP4GroupedExperts (the router gate stays
@@ -204,7 +199,6 @@ def test_converter_swaps_the_experts_and_init_weights_initializes_them(name):
         {n: type(x) for n, x in reference.named_modules()}
 
 
-@xfail_init
 @pytest.mark.parametrize("name", NAMES)
 def test_converted_moe_model_trains_one_step(name, cpu_histc):
     """(c) One step (forward on random tokens, cross-entropy, backward, AdamW) of the converted
@@ -237,7 +231,6 @@ def test_converted_moe_model_trains_one_step(name, cpu_histc):
     assert sum(type(m) is NVFP4Linear for m in model.modules()) > 0
 
 
-@xfail_init
 @pytest.mark.parametrize("name", NAMES)
 def test_dequantize_after_the_trainers_init_gives_back_the_experts_with_their_parameters(name):
     """``dequantize_`` of the converted model after torchtitan's ``to_empty`` and ``init_weights``

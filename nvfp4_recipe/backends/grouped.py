@@ -425,3 +425,9 @@ def get_grouped_backend(name: str, device: torch.device) -> GroupedBackend:
         ValueError: as ``get_backend``.
     """
     return _GROUPED[get_backend(name, device).name]
+
+
+def resolved_grouped(name: str) -> GroupedBackend:
+    """The grouped primitives of a resolved backend name (``backends.get_backend(...).name``):
+    a dict lookup that torch.compile traces."""
+    return _GROUPED[name]

@@ -1,0 +1,202 @@
+"""The base of every NVFP4 training module: :class:`NVFP4Module`, shared by ``NVFP4Linear`` and
+the experts modules of ``moe.py``.
+
+What a module that trains in NVFP4 keeps besides its parameters, written once:
+
+- the recipe (a frozen :class:`NVFP4Recipe`) and a layer seed, from which the buffers come:
+  ``rht_signs`` (16,) float32, and per SR stream (one per projection) ``sr_seed`` and ``sr_step``
+  int64, saved in the state dict; a checkpoint without them (the high-precision module's) keeps
+  the module's own, and moving off the meta device (``to_empty``) sets them;
+- ``sr_rank``, the data-parallel rank folded into the SR keys (``distributed.set_sr_rank``);
+- the SR key of a backward (:func:`next_sr_key`);
+- the fprop weight operands kept inside :func:`cached_weights`;
+- the operands recorded by ``inspect.capture`` (``captured``);
+- initialization delegated to the module it replaced (``init_weights``, ``reset_parameters``).
+"""
+
+import contextlib
+import weakref
+import zlib
+from contextvars import ContextVar
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .backends import get_backend
+from .formats import BLOCK
+from .kernels.philox import next_key
+from .kernels.runtime import tracing
+from .operand import NVFP4Operand
+from .recipe import NVFP4Recipe
+
+__all__ = ["NVFP4Module", "cached_weights", "sr_key", "next_sr_key", "out_dtype", "backend_name",
+           "training", "local"]
+
+_BUFFERS = ("rht_signs", "sr_seed", "sr_step")
+# the modules that cached a weight in the innermost cached_weights() context, None outside one
+_CACHING: ContextVar[Optional[weakref.WeakSet]] = ContextVar("nvfp4_cached_weights", default=None)
+
+
+@contextlib.contextmanager
+def cached_weights() -> Iterator[None]:
+    """Within this context each NVFP4 module (``NVFP4Linear`` and the experts modules) quantizes
+    each weight once and reuses the result in every forward that records no autograd graph
+    (evaluation under ``torch.no_grad()``, ``generate()``), instead of quantizing the master
+    weight on every call.
+
+    The outputs are those of uncached forwards, bit for bit: the weight's quantization is
+    round-to-nearest (no random bits), and a module quantizes again when its weight is another
+    tensor or has a new version (any in-place update through the tensor: an optimizer step,
+    ``load_state_dict``, ``copy_``). Use it around evaluation or generation, not around training
+    steps: updates that bypass the version counter (writes through ``weight.data``, FSDP2's
+    all-gathers into its unsharded parameters) are not seen. Forwards that record autograd
+    (training), torch.compile tracing, CUDA-graph capture and tensor-parallel layers do not use
+    the cache. Each module holds its fprop weight operands (fp16 inner values on sm89+ GPUs, 2
+    bytes an element; codes and scales elsewhere, 0.5625) until the context exits. The same idea
+    as TransformerEngine's ``is_first_microbatch`` and ``torch.nn.utils.parametrize.cached()``.
+
+    Example::
+
+        with torch.no_grad(), nvfp4_recipe.cached_weights():
+            model.generate(input_ids, max_new_tokens=64)
+    """
+    modules = weakref.WeakSet()
+    token = _CACHING.set(modules)
+    try:
+        yield
+    finally:
+        _CACHING.reset(token)
+        for module in modules:
+            module._weight_cache = {}
+
+
+def sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:
+    """The 64-bit Philox key of a backward's SR stream: ``sr_seed + sr_rank + (sr_step << 32)``,
+    an int64 device scalar (no host sync). Distinct for every (rank, step) of a stream, since
+    ``sr_seed`` and ``sr_rank`` are below 2**32; ``sr_rank`` 0 (one process) adds nothing."""
+    key = torch.add(sr_seed, sr_step, alpha=1 << 32)  # one kernel
+    return key + sr_rank if sr_rank else key
+
+
+def next_sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:
+    """A backward's SR key, :func:`sr_key` of the counters as they are, and ``sr_step`` advanced by
+    one in place (a mutation torch.compile and CUDA graphs keep). On a GPU in eager mode one small
+    kernel does both (``kernels.philox.next_key``): the launches saved are host time in a
+    host-bound backward; elsewhere torch ops, also while torch.compile traces (its backward
+    graph too), which fuses them and keeps the mutation as an ordinary in-place op."""
+    if sr_step.is_cuda and not (torch.compiler.is_compiling() or tracing()):
+        return next_key(sr_seed, sr_step, sr_rank)
+    key = sr_key(sr_seed, sr_step, sr_rank)
+    sr_step.add_(1)
+    return key
+
+
+def out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would return: the autocast dtype when autocast is on, else x.dtype."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+@torch.compiler.assume_constant_result
+def backend_name(name: str, device: torch.device) -> str:
+    """The backend that runs on ``device``, resolved in Python even under torch.compile (it may
+    import a backend module and log a fallback, neither of which belongs in a graph)."""
+    return get_backend(name, device).name
+
+
+def training(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a layer call records autograd: grad mode on and a tensor requiring grad (else it
+    runs fprop only, for any token count)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (``parallelize_module`` replicates a module's buffers), else t."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class NVFP4Module(nn.Module):
+    """The state every NVFP4 training module shares (see the module docstring).
+
+    Subclasses call :meth:`_init_nvfp4` once their parameters exist, and set ``STREAMS``: None
+    for one SR stream with 0-d ``sr_seed`` / ``sr_step`` buffers (``NVFP4Linear``, its checkpoint
+    layout), or the projection names, one stream each, with (P,) buffers whose seeds add
+    ``crc32(name)``.
+
+    Buffers: ``rht_signs`` (16,) float32, the recipe's RHT signs; ``sr_seed``, the Philox key of a
+    stream (low 32 bits): ``(recipe.seed + layer_seed [+ crc32(projection)]) mod 2**32``;
+    ``sr_step``, advanced by each backward of the stream, whose key is ``sr_seed + sr_rank +
+    (sr_step << 32)`` (:func:`sr_key`) with the value before the advance.
+    """
+
+    STREAMS: Optional[Tuple[str, ...]] = None
+
+    def _init_nvfp4(self, recipe: Optional[NVFP4Recipe], layer_seed: int, device) -> None:
+        """Set the recipe, the layer seed and ``sr_rank`` = 0, and register the buffers."""
+        self.recipe = recipe if recipe is not None else NVFP4Recipe()
+        self.layer_seed = layer_seed
+        self.sr_rank = 0
+        self.captured = None  # a dict while ``inspect.capture`` records this module
+        self._weight_cache: Dict[str, tuple] = {}
+        shape = () if self.STREAMS is None else (len(self.STREAMS),)
+        self.register_buffer("rht_signs", torch.empty(BLOCK, dtype=torch.float32, device=device))
+        self.register_buffer("sr_seed", torch.empty(shape, dtype=torch.int64, device=device))
+        self.register_buffer("sr_step", torch.empty(shape, dtype=torch.int64, device=device))
+        self.reset_recipe_buffers()
+
+    def _stream_seeds(self) -> torch.Tensor:
+        base = self.recipe.seed + self.layer_seed
+        if self.STREAMS is None:
+            return torch.tensor(base & 0xFFFFFFFF)
+        return torch.tensor([(base + zlib.crc32(p.encode())) & 0xFFFFFFFF for p in self.STREAMS])
+
+    @torch.no_grad()
+    def reset_recipe_buffers(self) -> None:
+        """Set ``rht_signs``, ``sr_seed`` and ``sr_step`` (in place) to a new module's values."""
+        local(self.rht_signs).copy_(self.recipe.signs())
+        local(self.sr_seed).copy_(self._stream_seeds())
+        local(self.sr_step).zero_()
+
+    def sr_state(self, stream: int = 0) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """(sr_seed, sr_step, sr_rank) of SR stream ``stream``: 0-d views of the buffers (the
+        backward advances the step in place) and the data-parallel rank."""
+        seed, step = local(self.sr_seed), local(self.sr_step)
+        if self.STREAMS is not None:
+            seed, step = seed[stream], step[stream]
+        return seed, step, self.sr_rank
+
+    def _apply(self, fn, recurse=True):
+        # to_empty (materializing a meta-device model) gives the buffers uninitialized memory
+        was_meta = self.sr_step.is_meta
+        self._weight_cache = {}
+        super()._apply(fn, recurse)
+        if was_meta and not self.sr_step.is_meta:
+            self.reset_recipe_buffers()
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # a checkpoint of the high-precision module has no recipe buffers: keep this module's own
+        for name in _BUFFERS:
+            state_dict.setdefault(prefix + name, getattr(self, name))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def cached_operand(self, name: str, weight: torch.Tensor, backend: str,
+                       make: Callable[[], NVFP4Operand]) -> Optional[NVFP4Operand]:
+        """Weight ``name`` quantized for fprop by ``make()``, kept inside :func:`cached_weights`
+        (made again for another weight tensor, version or backend), or None where the cache does
+        not apply (outside the context, while tracing or capturing a CUDA graph)."""
+        if torch.compiler.is_compiling() or tracing():  # first: Dynamo cannot trace a ContextVar
+            return None
+        modules = _CACHING.get()
+        if modules is None or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        hit = self._weight_cache.get(name)
+        if hit is None or hit[0] is not weight or hit[1:3] != (weight._version, backend):
+            hit = self._weight_cache[name] = (weight, weight._version, backend, make())
+            modules.add(self)
+        return hit[3]

@@ -1,0 +1,97 @@
+"""torch.compile of quantized models on the CPU: Dynamo traces the layers' algorithm with no graph
+break (the backend primitives are registered operators, ``backends/operators.py``), and Inductor
+trains them with eager's results: the same quantized operands, so the gradients differ only by the
+order of Inductor's fp32 sums around them (a few ulps; the bound below is 1e-5 of the largest)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import nvfp4_recipe as nr
+from test_moe import MoELayer, tiny_qwen3_moe
+
+TOL = 1e-5
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's MoE block reduced to what reaches the experts: top-1 routing, tokens sorted by
+    expert, counts computed on the device (no host sync), the shared experts added."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = MoELayer()
+
+    def forward(self, x):
+        n_experts = self.moe.experts.num_experts
+        ids, perm = torch.sort(self.moe.router.gate(x).argmax(-1), stable=True)
+        counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(0, ids, torch.ones_like(ids))
+        y = self.moe.experts(x[perm], counts)
+        return torch.zeros_like(y).index_copy(0, perm, y) + self.moe.shared_experts(x)
+
+
+def dense(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    return nr.quantize_(model, nr.NVFP4Recipe(backend=backend)), torch.randn(48, 32)
+
+
+def titan_moe(backend):
+    torch.manual_seed(0)
+    return nr.quantize_(TitanMoE(), nr.NVFP4Recipe(backend=backend)), torch.randn(48, 32)
+
+
+def hf_moe(backend):
+    model = nr.quantize_(tiny_qwen3_moe(), nr.NVFP4Recipe(backend=backend))
+    return model, torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def loss_of(model, x):
+    out = model(x)
+    return (out.logits if hasattr(out, "logits") else out).float().square().mean()
+
+
+def nvfp4_modules(model):
+    return [m for m in model.modules() if isinstance(m, nr.layer.NVFP4Module)]
+
+
+MODELS = {"dense": dense, "titan_moe": titan_moe, "hf_moe": hf_moe}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_graph_breaks(name, backend):
+    """``torch._dynamo.explain``: one graph, no break, for a dense model, torchtitan-style
+    experts and a Hugging Face MoE (the Triton backend under the interpreter on CPU)."""
+    model, x = MODELS[name](backend)
+    assert nvfp4_modules(model)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_inductor_trains_as_eager(name):
+    """Two training steps (AdamW) compiled with Inductor and in eager mode from the same state:
+    equal losses and gradients up to the fp32 sum order, the SR streams advanced alike."""
+    model, x = MODELS[name]("reference")
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, eager)]
+    for _ in range(2):
+        losses = []
+        for m, opt in zip((compiled, eager), opts):
+            opt.zero_grad()
+            loss = loss_of(m, x)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.allclose(losses[0], losses[1], rtol=TOL)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            if q.grad is not None:
+                assert (p.grad - q.grad).abs().max() <= TOL * q.grad.abs().max()
+    for a, b in zip(nvfp4_modules(model), nvfp4_modules(eager)):
+        assert torch.equal(a.sr_step, b.sr_step) and int(b.sr_step.min()) == 2
