@@ -152,7 +152,9 @@ class NVFP4Recipe(AOBaseConfig):
         self._set("keep_first_last", int(self.keep_first_last))
         self._set("seed", int(self.seed))
         # Not a field: left out of ==, hash and replace; spec() is asked on every layer step.
-        self._set("_specs", {role: self._quant_spec(role) for role in GemmRole})
+        specs = {role: self._quant_spec(role) for role in GemmRole}
+        # by member and by value: spec(role) is then one dict lookup, which torch.compile traces
+        self._set("_specs", {**specs, **{role.value: s for role, s in specs.items()}})
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -176,7 +178,11 @@ class NVFP4Recipe(AOBaseConfig):
         GEMMs is quantized (the table of docs/recipe.md): weights 2d (or 1d) per-tensor RN;
         activations and gradients 1d with the recipe's scaling, SR on gradients, RHT and amax
         estimation on the wgrad operands. Raises ValueError for an unknown role."""
-        return self._specs[GemmRole(role)]
+        spec = self._specs.get(role)
+        if spec is None:
+            raise ValueError(f"unknown operand role {role!r}; expected a GemmRole or one of "
+                             f"{[r.value for r in GemmRole]}")
+        return spec
 
     def signs(self) -> torch.Tensor:
         """The RHT signs as a (16,) float32 CPU tensor (TE's default vector when ``rht_signs`` is None)."""

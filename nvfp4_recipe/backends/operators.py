@@ -107,13 +107,22 @@ def _unaliased(outputs: List[torch.Tensor], inputs: List[Optional[torch.Tensor]]
     """``outputs`` with a clone for each one that shares storage with an input or an earlier
     output (a custom operator's outputs may alias neither: a shared outer scale, an operand
     passed through unchanged)."""
-    seen = {StorageWeakRef(t.untyped_storage()) for t in inputs if t is not None}
+    seen = {_storage(t) for t in inputs if t is not None}
     out = []
     for t in outputs:
-        ref = StorageWeakRef(t.untyped_storage())
+        ref = _storage(t)
         out.append(t.clone() if ref in seen else t)
         seen.add(ref)
     return out
+
+
+def _storage(t: torch.Tensor):
+    """A key of t's storage; t itself where it has none to compare (a functional tensor while
+    torch.compile traces a body: the aliases there are tensors passed through)."""
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def _stored(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -143,22 +152,23 @@ def register(name: str, impl: Callable, *, traced: bool,
         A function with ``impl``'s signature: ``impl`` itself in eager mode, the operator while
         torch.compile traces.
     """
-    def flat(run: Callable, unalias: bool):
+    def flat(run: Callable):
         def body(tensors: List[Optional[torch.Tensor]], key: str) -> List[torch.Tensor]:
+            given = tensors
             if traced:
                 tensors = [_stored(t) for t in tensors]
             args, kwargs = _decode(_parse(key), iter(tensors))
             outputs: List[torch.Tensor] = []
             _RESULTS[key] = _encode(run(*args, **kwargs), outputs)
-            return _unaliased(outputs, tensors) if unalias else outputs
+            return _unaliased(outputs, given + tensors)
         return body
 
     qualname = f"nvfp4_recipe::{name}"
     if traced:
-        op = torch.library.triton_op(qualname, flat(impl, False), mutates_args=())
+        op = torch.library.triton_op(qualname, flat(impl), mutates_args=())
     else:
-        op = torch.library.custom_op(qualname, flat(impl, True), mutates_args=())
-        op.register_fake(flat(fake or impl, False))
+        op = torch.library.custom_op(qualname, flat(impl), mutates_args=())
+        op.register_fake(flat(fake or impl))
 
     def call(*args, **kwargs):
         if not torch.compiler.is_compiling():

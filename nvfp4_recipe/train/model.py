@@ -76,8 +76,9 @@ class MLP(nn.Module):
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts in torchtitan's ``GroupedExperts`` layout: w1, w3 (E, hidden, dim), w2
-    (E, dim, hidden); ``forward(x, num_tokens_per_expert)`` on tokens sorted by expert, one
-    matmul per expert (high precision; ``quantize_`` swaps in the grouped NVFP4 module)."""
+    (E, dim, hidden); ``forward(x, num_tokens_per_expert)`` on tokens sorted by expert (high
+    precision: ``torch._grouped_mm`` for bf16 on a GPU, as torchtitan, else one matmul per expert;
+    ``quantize_`` swaps in the grouped NVFP4 module)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -87,6 +88,13 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        if x.is_cuda and dtype == torch.bfloat16:
+            offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
+            mm = lambda a, w: torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=offs)
+            x = x.to(dtype)
+            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
         outs = []
         for e, x_e in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
             outs.append(F.linear(F.silu(F.linear(x_e, self.w1[e])) * F.linear(x_e, self.w3[e]),
@@ -111,7 +119,9 @@ class MoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         order = torch.argsort(experts.reshape(-1), stable=True)  # assignments sorted by expert
         tokens = order // self.top_k
-        counts = torch.bincount(experts.reshape(-1), minlength=self.experts.num_experts)
+        ids = experts.reshape(-1)
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids))  # bincount's size is data-dependent
         y = self.experts(x2[tokens], counts)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(y[: x2.shape[0]]).index_add(0, tokens, y).reshape(x.shape)
