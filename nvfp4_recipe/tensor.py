@@ -18,7 +18,7 @@ from . import reference as R
 from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
-from .recipe import NVFP4Recipe, parse_signs
+from .recipe import NVFP4Recipe, _is_int, parse_signs
 from .spec import Block, QuantSpec
 
 
@@ -31,6 +31,34 @@ def _signs_on(device: torch.device, signs: Optional[tuple]) -> torch.Tensor:
 aten = torch.ops.aten
 
 __all__ = ["NVFP4Tensor"]
+
+SUPPORTED_OPS = ("mm/addmm/bmm/matmul/linear of two NVFP4Tensors, t/T/mT/transpose of the last two "
+                 "dims, row indexing and slicing, view/reshape of the leading dims, "
+                 "==/!=/torch.equal/allclose/isclose (on the dequantized values), "
+                 "detach/clone/copy_/to, pickle/torch.save")
+
+
+def _check_x(x) -> None:
+    if isinstance(x, NVFP4Tensor):
+        raise TypeError("from_hp: x is already quantized (an NVFP4Tensor); call .dequantize() first")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"from_hp: x must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_stream_arg(value, name: str) -> R.IntOrTensor:
+    """A seed or offset of the SR stream as the reference and the kernels take it: an int (as a
+    Python int) or a one-element integer tensor (unchecked values: reading them would sync)."""
+    what = f"from_hp: {name} must be an int in [0, 2**63) or a one-element integer tensor, got {value!r}"
+    if isinstance(value, torch.Tensor):
+        dtype = value.dtype
+        if value.numel() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(what)
+        return value
+    if not _is_int(value):
+        raise TypeError(what)
+    if not 0 <= value < 2**63:
+        raise ValueError(what)
+    return int(value)
 
 
 class NVFP4Tensor(TorchAOBaseTensor):
@@ -49,6 +77,21 @@ class NVFP4Tensor(TorchAOBaseTensor):
     Build one with :meth:`from_hp`; inspect it with ``repr``; get a dense tensor with
     :meth:`dequantize`. ``t.to(device)`` keeps it NVFP4; ``t.to(dtype)`` changes only the logical
     dtype (the dtype matmuls return), never the data.
+
+    Ops (``SUPPORTED_OPS``); every other op raises ``NotImplementedError`` naming the op and
+    asking for ``.dequantize()`` first:
+        - ``mm``, ``addmm`` (1-D bias), ``bmm``, ``matmul``, ``F.linear`` of two NVFP4Tensors:
+          NVFP4 GEMMs, the second operand a transposed view (``w.t()``, ``w.T``).
+        - ``t()``, ``.T`` (2-D), ``.mT``, ``transpose``/``permute`` swapping the last two dims: views.
+        - Indexing and slicing along rows, any dim but the one the blocks run along (the stored
+          last dim): ``t[i]``, ``t[a:b]``, ``t[a:b:s]``, ``t[:, a:b]`` of a transposed view. Whole
+          rows keep their codes, block scales and per-token outer scales; a per-tensor outer
+          scale is shared. 2d-blocked tensors slice at multiples of 16 rows only (no ``t[i]``).
+        - ``view``/``reshape`` of the leading dims (1d blocks, not transposed).
+        - ``==``, ``!=``, ``torch.equal``, ``allclose``, ``isclose``: on ``dequantize()``, the
+          logical values, so two tensors holding different codes that dequantize alike are equal.
+        - ``detach``, ``clone``, ``copy_``, ``to``; ``pickle``, ``copy``, ``deepcopy``,
+          ``torch.save``/``torch.load``.
     """
 
     tensor_data_names = ["qdata", "scale", "outer_scale"]
@@ -89,21 +132,32 @@ class NVFP4Tensor(TorchAOBaseTensor):
         maxima). NVFP4Linear defines the gradients of NVFP4 training (dgrad and wgrad GEMMs).
 
         Args:
-            x: (..., M, K) bfloat16/float16/float32, K a multiple of 16 (2d: a 2-D (M, K) tensor
-                with M a multiple of 16 too). An ``x`` with no elements gives an empty
-                NVFP4Tensor of its shape (zero outer scale, as an all-zero tensor).
+            x: (..., M, K) bfloat16/float16/float32 torch.Tensor, K a multiple of 16 (2d: a 2-D
+                (M, K) tensor with M a multiple of 16 too). An ``x`` with no elements gives an
+                empty NVFP4Tensor of its shape (zero outer scale, as an all-zero tensor).
             block: "1d" (1x16 blocks along K) or "2d" (16x16 tiles, per-tensor scaling only).
             scaling: "per_tensor" or "per_token" (one outer scale per row).
             rounding: "rn" (nearest even) or "sr" (stochastic, Philox-4x32-10 bits from
                 ``seed``/``offset``: the same bits on every backend).
-            rht: quantize ``rht(x, rht_signs)`` (the 16-point random Hadamard transform along K).
+            seed: the 64-bit Philox key, an int in [0, 2**63) (the reference holds it in int64)
+                or a one-element integer tensor (e.g. on the device, not read on the host).
+            offset: the Philox counter of the first 16 elements, the same kinds as ``seed``;
+                counters are 32-bit, so offsets are taken modulo 2**32.
+            rht: bool, quantize ``rht(x, rht_signs)`` (the 16-point random Hadamard transform
+                along K).
             rht_signs: 16 values +-1 (a tensor or a sequence); None with ``rht=True`` uses
                 ``NVFP4Recipe().signs()``.
             backend: "auto", "reference", "triton" or "native" (see ``backends.get_backend``).
         Raises:
-            TypeError: unsupported dtype. ValueError: bad option or shape (names the problem),
-            ``rht_signs`` not 16 values +-1 or given with ``rht=False``.
+            TypeError: ``x`` not a tensor or already an NVFP4Tensor, unsupported dtype, ``seed``
+            or ``offset`` not an int or a one-element integer tensor, ``rht`` not a bool.
+            ValueError: bad option or shape (names the problem), ``seed``/``offset`` outside
+            [0, 2**63), ``rht_signs`` not 16 values +-1 or given with ``rht=False``.
         """
+        _check_x(x)
+        seed, offset = _check_stream_arg(seed, "seed"), _check_stream_arg(offset, "offset")
+        if not isinstance(rht, bool):
+            raise TypeError(f"from_hp: rht must be a bool, got {rht!r}")
         x = x.detach()
         spec = QuantSpec(block, scaling, rounding, rht)
         R.check_input(x, spec)
@@ -162,6 +216,22 @@ class NVFP4Tensor(TorchAOBaseTensor):
         raise ValueError("a transposed 1d NVFP4Tensor has its blocks along the wrong dimension for "
                          "this operand position; quantize the transpose instead")
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """The op table (torchao's), with one message for every op not in it."""
+        impl = cls._ATEN_OP_TABLE[cls].get(func)
+        if impl is None:
+            raise NotImplementedError(f"NVFP4Tensor supports {SUPPORTED_OPS}; "
+                                      f"call .dequantize() first for {func}")
+        return impl(func, types, args, kwargs or {})
+
+    def __reduce_ex__(self, protocol):
+        """Pickle as its plain tensors and attributes, the block scales as their bits: plain
+        pickle cannot load a float8 tensor (torch 2.13 pickles its storage without the dtype)."""
+        names = self.tensor_attribute_names + self.optional_tensor_data_names
+        return _from_pickle, (self.qdata, self.scale.view(torch.uint8), self.outer_scale,
+                              *(getattr(self, name) for name in names))
+
     # ------------------------------------------------------------------ REPL
     def __repr__(self) -> str:
         head = (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, device={self.device},\n"
@@ -182,7 +252,13 @@ class NVFP4Tensor(TorchAOBaseTensor):
                      f"per-token {tuple(outer.shape)} in [{outer.min().item():.4g}, {outer.max().item():.4g}]")
         return (f"  outer_scale={outer_txt}, block_scale in [{s.min().item():.4g}, {s.max().item():.4g}], "
                 f"zero codes={100 * zero:.1f}%,\n"
-                f"  values[{':8, 0' if self.transposed else '0, :8'}]={self._head_values()}")
+                f"  values[{self._head_index()}]={self._head_values()}")
+
+    def _head_index(self) -> str:
+        """The logical index of the values ``_head_values`` shows."""
+        if self.transposed:
+            return "0, " * (self.dim() - 2) + ":8, 0"
+        return "0, " * (self.dim() - 1) + ":8"
 
     def _head_values(self) -> str:
         """The first few dequantized values of the first stored row (nothing else is dequantized)."""
@@ -243,13 +319,7 @@ def _(func, types, args, kwargs):
     _not_nvfp4("bmm", b)
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
         raise ValueError(f"bmm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
-    return torch.stack([_mm(_select(a, i), _select(b, i)) for i in range(a.shape[0])])
-
-
-def _select(x: NVFP4Tensor, i: int) -> NVFP4Tensor:
-    """x[i] along the first (batch) dim of a 3-D 1d-blocked tensor."""
-    outer = x.outer_scale[i] if x.outer_scale.dim() else x.outer_scale
-    return x._with(x.qdata[i], x.scale[i], outer)
+    return torch.stack([_mm(_select(a, 0, i), _select(b, 0, i)) for i in range(a.shape[0])])
 
 
 @implements_torch_function([torch.nn.functional.linear])
@@ -285,23 +355,39 @@ def _flatten_rows(x: NVFP4Tensor) -> NVFP4Tensor:
     return x._with(x.qdata.reshape(-1, x.qdata.shape[-1]), x.scale.reshape(-1, x.scale.shape[-1]), outer)
 
 
+def _view(func, args, kwargs, x: NVFP4Tensor, swap: bool) -> NVFP4Tensor:
+    """The result of the view op ``func``: x itself, or with its last two dims swapped."""
+    return return_and_correct_aliasing(func, args, kwargs, x._with(transposed=x.transposed != swap))
+
+
 @implements([aten.t.default])
 def _(func, types, args, kwargs):
     x = args[0]
     if x.dim() != 2:
         raise ValueError(f"t() expects a 2-D tensor, got {x.dim()}-D")
-    return return_and_correct_aliasing(func, args, kwargs, x._with(transposed=not x.transposed))
+    return _view(func, args, kwargs, x, True)
 
 
 @implements([aten.transpose.int])
 def _(func, types, args, kwargs):
     x, d0, d1 = args
     dims = sorted(d % x.dim() for d in (d0, d1))
-    if dims == [d0 % x.dim()] * 2:
-        return return_and_correct_aliasing(func, args, kwargs, x._with())
-    if dims != [x.dim() - 2, x.dim() - 1]:
+    if dims[0] != dims[1] and dims != [x.dim() - 2, x.dim() - 1]:
         raise NotImplementedError("NVFP4Tensor.transpose supports swapping the last two dims only")
-    return return_and_correct_aliasing(func, args, kwargs, x._with(transposed=not x.transposed))
+    return _view(func, args, kwargs, x, dims[0] != dims[1])
+
+
+@implements([aten.permute.default])
+def _(func, types, args, kwargs):
+    """``.T`` of a 2-D tensor (permute [1, 0]) and any permutation that swaps the last two dims."""
+    x, dims = args
+    n = x.dim()
+    keep = list(range(n))
+    dims = [d % n for d in dims]
+    if dims != keep and dims != keep[:-2] + [n - 1, n - 2]:
+        raise NotImplementedError(f"NVFP4Tensor.permute supports swapping the last two dims only, "
+                                  f"got {dims}")
+    return _view(func, args, kwargs, x, dims != keep)
 
 
 @implements([aten.view.default, aten.reshape.default, aten._unsafe_view.default])
@@ -328,29 +414,72 @@ def _infer_shape(shape, numel):
     return shape
 
 
+def _row_dim(x: NVFP4Tensor, dim: int) -> int:
+    """The stored dim of the logical dim ``dim``, which must run along rows (not along blocks)."""
+    dim = dim % x.dim()
+    if x.transposed and dim >= x.dim() - 2:
+        dim = 2 * x.dim() - 3 - dim  # the last two dims swap
+    if dim == x.dim() - 1:
+        raise NotImplementedError("NVFP4Tensor indexing and slicing run along rows only, not along "
+                                  "the dim its blocks of 16 run along; call .dequantize() first")
+    return dim
+
+
+def _on_rows(x: NVFP4Tensor, dim: int, take) -> NVFP4Tensor:
+    """x with ``take(tensor, dim)`` applied to its codes, its 1d block scales and its per-token
+    outer scales along the stored row dim ``dim`` (a per-tensor outer scale is shared)."""
+    qdata = take(x.qdata, dim)
+    outer = take(x.outer_scale, dim) if x.outer_scale.dim() else x.outer_scale
+    return x._with(qdata, take(x.scale, dim), outer, transposed=x.transposed and qdata.dim() >= 2)
+
+
+def _select(x: NVFP4Tensor, dim: int, index: int) -> NVFP4Tensor:
+    """x[..., index, ...] along the logical row dim ``dim`` (1d blocks)."""
+    dim = _row_dim(x, dim)
+    if x.block == "2d":
+        raise ValueError(f"indexing one row of a 2d-blocked NVFP4Tensor would split its {BLOCK}x{BLOCK} "
+                         f"tiles; slice at multiples of {BLOCK} rows")
+    return _on_rows(x, dim, lambda t, d: t.select(d, index))
+
+
+@implements([aten.select.int])
+def _(func, types, args, kwargs):
+    x, dim, index = args
+    return return_and_correct_aliasing(func, args, kwargs, _select(x, dim, index))
+
+
 @implements([aten.slice.Tensor])
 def _(func, types, args, kwargs):
     x, dim, start, end, step = list(args) + [0, None, None, 1][len(args) - 1:]
-    dim = dim % x.dim()
-    start, end = _clip(start, end, x.shape[dim])
-    if x.transposed or dim != x.dim() - 2 or step != 1:
-        raise NotImplementedError("NVFP4Tensor slicing is supported along the row dim M with step 1")
-    if x.block == "2d" and (start % BLOCK or end % BLOCK):
-        raise ValueError(f"slicing a 2d-blocked NVFP4Tensor needs row bounds that are multiples of "
-                         f"{BLOCK}, got [{start}:{end}]")
+    dim = _row_dim(x, dim)
     if x.block == "1d":
-        scale = x.scale.narrow(dim, start, end - start)
-    else:
-        scale = x.scale[start // BLOCK:end // BLOCK]
-    outer = x.outer_scale.narrow(dim, start, end - start) if x.outer_scale.dim() else x.outer_scale
-    qdata = x.qdata.narrow(dim, start, end - start)
-    return return_and_correct_aliasing(func, args, kwargs, x._with(qdata, scale, outer))
+        out = _on_rows(x, dim, lambda t, d: aten.slice.Tensor(t, d, start, end, step))
+        return return_and_correct_aliasing(func, args, kwargs, out)
+    start, end = _clip(start, end, x.qdata.shape[dim])
+    if step != 1 or start % BLOCK or end % BLOCK:
+        raise ValueError(f"slicing a 2d-blocked NVFP4Tensor needs step 1 and row bounds that are "
+                         f"multiples of {BLOCK}, got [{start}:{end}:{step}]")
+    out = x._with(x.qdata[start:end], x.scale[start // BLOCK:end // BLOCK])
+    return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 def _clip(start, end, size):
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
     return min(start, size), min(end, size)
+
+
+def _dequantized(a):
+    return a.dequantize() if isinstance(a, NVFP4Tensor) else a
+
+
+@implements_torch_function([torch.isclose, torch.Tensor.isclose])
+@implements([aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.equal.default,
+             aten.allclose.default])
+def _(func, types, args, kwargs):
+    """Comparisons of the logical values (torch.isclose is composite: its parts would reach the op
+    table one by one)."""
+    return func(*map(_dequantized, args), **kwargs)
 
 
 @implements([aten._to_copy.default])
@@ -373,4 +502,9 @@ def _(func, types, args, kwargs):
     return aten._to_copy.default(x, dtype=kw["dtype"], device=kw["device"])
 
 
-torch.serialization.add_safe_globals([NVFP4Tensor])
+def _from_pickle(qdata, scale_bits, outer_scale, *attributes) -> NVFP4Tensor:
+    """The tensor ``NVFP4Tensor.__reduce_ex__`` pickled (a stable name: pickles refer to it)."""
+    return NVFP4Tensor(qdata, scale_bits.view(torch.float8_e4m3fn), outer_scale, *attributes)
+
+
+torch.serialization.add_safe_globals([NVFP4Tensor, _from_pickle])

@@ -65,6 +65,24 @@ def test_amax_estimation_takes_any_positive_float32_scale():
     assert NVFP4Recipe(amax_estimation=(3e38, 1e-40)).amax_estimation == (3e38, 1e-40)  # 1e-40: subnormal
 
 
+@pytest.mark.parametrize("scale", [1e40, 3.5e38, 1e-50, 2.0**-150])  # inf or 0 in float32
+@pytest.mark.parametrize("position", [0, 1])
+def test_amax_estimation_refuses_scales_float32_cannot_hold(scale, position):
+    pair = [2.0, 1.0]
+    pair[position] = scale
+    assert math.isfinite(scale) and scale > 0  # a positive finite Python float
+    with pytest.raises(ValueError, match="NVFP4Recipe.amax_estimation: .*finite in float32"):
+        NVFP4Recipe(amax_estimation=tuple(pair))
+    fp32 = torch.tensor(scale, dtype=torch.float32).item()
+    assert fp32 == 0 or math.isinf(fp32)
+
+
+def test_amax_estimation_takes_the_extreme_float32_scales():
+    below_max = torch.nextafter(torch.tensor(torch.finfo(torch.float32).max), torch.tensor(0.0)).item()
+    smallest = 2.0**-149  # the smallest float32 subnormal
+    assert NVFP4Recipe(amax_estimation=(below_max, smallest)).amax_estimation == (below_max, smallest)
+
+
 def test_defaults_are_the_nvidia_recipe():
     r = NVFP4Recipe()
     assert (r.rht, r.stochastic_rounding, r.weight_2d, r.scaling, r.amax_estimation) == (

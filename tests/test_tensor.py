@@ -1,6 +1,8 @@
 """NVFP4Tensor: construction, the op table, repr, serialization and torch.compile."""
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -189,3 +191,176 @@ def test_matmul_runs_on_the_tensors_backend(monkeypatch):
     out = torch.mm(xq, wq.t())
     assert calls == [1]
     assert torch.allclose(out, R.scaled_mm(xq.operand, wq.operand), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- from_hp arguments
+@pytest.mark.parametrize("name", ["seed", "offset"])
+@pytest.mark.parametrize("value, error", [
+    (1.5, TypeError), ("abc", TypeError), (True, TypeError), (None, TypeError),
+    (torch.tensor([3.0]), TypeError), (torch.tensor([1, 2]), TypeError), (torch.tensor(True), TypeError),
+    (-1, ValueError), (2**63, ValueError), (2**70, ValueError),
+])
+def test_from_hp_checks_seed_and_offset(name, value, error):
+    with pytest.raises(error, match=f"from_hp: {name} must be an int in \\[0, 2\\*\\*63\\)"):
+        NVFP4Tensor.from_hp(torch.randn(16, 32), rounding="sr", **{name: value})
+
+
+def test_from_hp_takes_64_bit_keys_and_tensor_streams():
+    x = torch.randn(32, 64)
+    spec = QuantSpec(rounding="sr")
+    for seed, offset in ((2**63 - 1, 2**40 + 3), (2**32, 0)):
+        t = NVFP4Tensor.from_hp(x, rounding="sr", seed=seed, offset=offset)
+        assert torch.equal(t.qdata, R.quantize(x, spec, seed=seed, offset=offset).qdata)
+    high = NVFP4Tensor.from_hp(x, rounding="sr", seed=2**32)  # the key's high word counts
+    assert not torch.equal(high.qdata, NVFP4Tensor.from_hp(x, rounding="sr", seed=0).qdata)
+    as_tensors = NVFP4Tensor.from_hp(x, rounding="sr", seed=torch.tensor([2**32]),
+                                     offset=torch.tensor(0, dtype=torch.int32))
+    assert torch.equal(as_tensors.qdata, high.qdata)
+
+
+def test_from_hp_wants_a_bool_rht():
+    with pytest.raises(TypeError, match="from_hp: rht must be a bool, got 1"):
+        NVFP4Tensor.from_hp(torch.randn(16, 32), rht=1)
+
+
+def test_from_hp_wants_a_plain_tensor():
+    with pytest.raises(TypeError, match="from_hp: x must be a torch.Tensor, got list"):
+        NVFP4Tensor.from_hp(torch.randn(16, 32).tolist())
+    with pytest.raises(TypeError, match="already quantized.*call .dequantize\\(\\) first"):
+        NVFP4Tensor.from_hp(NVFP4Tensor.from_hp(torch.randn(16, 32)))
+
+
+# ---------------------------------------------------------------------------- pickle
+def _fields(t):
+    return ([t.qdata, t.scale.view(torch.uint8), t.outer_scale, t.rht_signs],
+            [getattr(t, name) for name in t.tensor_attribute_names] + [t.shape, t.dtype])
+
+
+PICKLED = {
+    "1d": lambda: NVFP4Tensor.from_hp(torch.randn(48, 64, dtype=torch.bfloat16)),
+    "2d": lambda: NVFP4Tensor.from_hp(torch.randn(32, 64), block="2d", rounding="sr", seed=9),
+    "2d transposed view": lambda: NVFP4Tensor.from_hp(torch.randn(32, 64), block="2d").t(),
+    "per_token 3-D": lambda: NVFP4Tensor.from_hp(torch.randn(2, 16, 32), scaling="per_token"),
+    "rht": lambda: NVFP4Tensor.from_hp(torch.randn(16, 64), rht=True, rht_signs=[1, -1] * 8,
+                                       backend="reference").to(torch.float16),
+    "row slice": lambda: NVFP4Tensor.from_hp(torch.randn(64, 32), scaling="per_token")[8:40:2],
+}
+
+
+@pytest.mark.parametrize("make", list(PICKLED.values()), ids=list(PICKLED))
+def test_pickle_round_trip(make):
+    t = make()
+    for u in (pickle.loads(pickle.dumps(t)), copy.copy(t), copy.deepcopy(t)):
+        assert type(u) is NVFP4Tensor
+        (tensors, attrs), (expect_tensors, expect_attrs) = _fields(u), _fields(t)
+        assert attrs == expect_attrs
+        for a, b in zip(tensors, expect_tensors):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+        assert u.scale.dtype == torch.float8_e4m3fn
+        assert torch.equal(u.dequantize(), t.dequantize())
+
+
+def test_torch_save_loads_old_and_new_checkpoints(monkeypatch):
+    """torch.save goes through ``__reduce_ex__`` too (weights_only load included); a file written
+    with torch.Tensor's reduction (before NVFP4Tensor had its own) still loads."""
+    t = NVFP4Tensor.from_hp(torch.randn(32, 64), scaling="per_token", rht=True)
+
+    def round_trip():
+        buf = io.BytesIO()
+        torch.save({"t": t}, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)["t"]
+
+    new = round_trip()
+    monkeypatch.setattr(NVFP4Tensor, "__reduce_ex__", torch.Tensor.__reduce_ex__)
+    for u in (new, round_trip()):
+        assert _fields(u)[1] == _fields(t)[1] and torch.equal(u.rht_signs, t.rht_signs)
+        assert torch.equal(u.dequantize(), t.dequantize())
+
+
+# ---------------------------------------------------------------------------- row indexing, .T, comparisons
+@pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
+def test_row_indexing_keeps_whole_rows(scaling):
+    t = NVFP4Tensor.from_hp(torch.randn(4, 32, 64), scaling=scaling)
+    deq = t.dequantize()
+    for index in (1, -1, slice(1, 3), slice(None, None, 2), (slice(None), 5), (2, slice(3, 30, 4))):
+        u = t[index]
+        assert isinstance(u, NVFP4Tensor) and u.shape == deq[index].shape
+        assert torch.equal(u.qdata, t.qdata[index])
+        assert torch.equal(u.scale.view(torch.uint8), t.scale.view(torch.uint8)[index])
+        outer = t.outer_scale[index] if scaling == "per_token" else t.outer_scale
+        assert torch.equal(u.outer_scale, outer)
+        assert torch.equal(u.dequantize(), deq[index])
+    row = t[1, 7]  # one row: a 1-D tensor, its own outer scale per token
+    assert row.shape == (64,) and torch.equal(row.dequantize(), deq[1, 7])
+    assert "values[:8]=" in repr(row)
+
+
+def test_row_indexing_of_transposed_and_2d_tensors():
+    t = NVFP4Tensor.from_hp(torch.randn(32, 64), scaling="per_token").t()  # (64, 32), blocks along dim 0
+    assert torch.equal(t[:, 3:9].dequantize(), t.dequantize()[:, 3:9])
+    assert torch.equal(t[:, 5].dequantize(), t.dequantize()[:, 5])
+    for index in (2, slice(0, 16)):
+        with pytest.raises(NotImplementedError, match="blocks of 16 run along"):
+            t[index]
+    w = NVFP4Tensor.from_hp(torch.randn(64, 32), block="2d")
+    assert torch.equal(w.t()[:, 16:48].dequantize(), w.dequantize().t()[:, 16:48])
+    with pytest.raises(ValueError, match="split its 16x16 tiles"):
+        w[3]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        w[0:32:2]
+
+
+def test_T_is_t():
+    x, w = torch.randn(32, 64), torch.randn(16, 64)
+    xq, wq = NVFP4Tensor.from_hp(x), NVFP4Tensor.from_hp(w, block="2d")
+    assert wq.T.shape == (64, 16) and wq.T.transposed and wq.T.T.transposed is False
+    assert torch.equal(wq.T.dequantize(), wq.dequantize().T)
+    assert torch.equal(xq @ wq.T, torch.mm(xq, wq.t()))
+    assert torch.equal(wq.permute(0, 1).dequantize(), wq.dequantize())
+    with pytest.raises(NotImplementedError, match="swapping the last two dims"):
+        NVFP4Tensor.from_hp(torch.randn(2, 16, 32)).permute(1, 0, 2)
+
+
+def test_comparisons_are_on_the_dequantized_values():
+    x = torch.randn(32, 64)
+    t, u = NVFP4Tensor.from_hp(x), NVFP4Tensor.from_hp(x + 0.3 * torch.randn_like(x))
+    deq = t.dequantize()
+    assert torch.equal(t == u, deq == u.dequantize()) and not (t == u).all()
+    assert torch.equal(t != u, deq != u.dequantize())
+    assert (t == deq).all() and torch.equal(t == 0, deq == 0) and (t == 0).any()
+    assert torch.equal(t, t.clone()) and torch.equal(t, deq) and not torch.equal(t, u)
+    negative_zero = torch.where(t.qdata & 0xF == 0, t.qdata | 0x8, t.qdata)  # -0 codes for +0 ones
+    other_codes = NVFP4Tensor(negative_zero, t.scale, t.outer_scale, "1d", "per_tensor", "rn", t.dtype,
+                              False)
+    assert not torch.equal(other_codes.qdata, t.qdata) and torch.equal(other_codes, t)
+    assert torch.allclose(t, deq + 1e-9) and not torch.allclose(t, u)
+    assert torch.equal(torch.isclose(t, u, atol=0.1), torch.isclose(deq, u.dequantize(), atol=0.1))
+    assert torch.equal(t.isclose(deq), torch.ones_like(deq, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("op, name", [
+    (lambda t: t + 1, "aten.add.Tensor"), (lambda t: t * 2, "aten.mul.Tensor"),
+    (lambda t: t.sum(), "aten.sum.default"), (lambda t: t.abs(), "aten.abs.default"),
+    (lambda t: t < 0, "aten.lt.Scalar"), (lambda t: torch.cat([t, t]), "aten.cat.default"),
+    (lambda t: torch.relu(t), "aten.relu.default"),
+])
+def test_other_ops_raise_one_clear_message(op, name):
+    t = NVFP4Tensor.from_hp(torch.randn(16, 32))
+    with pytest.raises(NotImplementedError) as info:
+        op(t)
+    message = str(info.value)
+    assert message.startswith("NVFP4Tensor supports mm/addmm/bmm/matmul/linear")
+    for word in ("row indexing and slicing", "t/T/mT", "==/!=/torch.equal/allclose"):
+        assert word in message
+    assert message.endswith(f"call .dequantize() first for {name}")
+
+
+def test_repr_inside_containers_and_of_views():
+    t = NVFP4Tensor.from_hp(torch.randn(2, 16, 64, dtype=torch.bfloat16), rounding="sr", rht=True)
+    for text in (str([t]), str({"t": t}), f"{t}"):
+        for word in ("NVFP4Tensor(shape=(2, 16, 64)", "dtype=torch.bfloat16", "block=1d",
+                     "scaling=per_tensor", "rounding=sr", "rht=True", "outer_scale=", "values[0, 0, :8]="):
+            assert word in text
+    w = NVFP4Tensor.from_hp(torch.randn(32, 16), block="2d").t()
+    assert "transposed view" in repr(w) and "values[:8, 0]=" in repr(w) and "16x16" in repr(w)
