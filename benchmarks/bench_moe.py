@@ -67,7 +67,7 @@ def copy_gbps(device, tiny: bool, bench) -> float:
 def run(args) -> dict:
     import torch
     from nvfp4_recipe import NVFP4Recipe, moe
-    from nvfp4_recipe.backends.grouped import get_grouped_backend
+    from nvfp4_recipe.backends import get_backend
     from nvfp4_recipe.kernels import grouped as KG
     from nvfp4_recipe.recipe import SR_OFFSETS
     from nvfp4_recipe.spec import GemmRole
@@ -101,15 +101,15 @@ def run(args) -> dict:
     out["ratio"] = out["nvfp4_ms"] / out["bf16_ms"]
     out["ratio_bf16_weights"] = out["nvfp4_bf16_weights_ms"] / out["bf16_ms"]
 
-    gb = get_grouped_backend("triton", device)
+    gb = get_backend("triton", device)
     spec = {role: recipe.spec(role) for role in GemmRole}
     xd = x.detach()
     w_pair = lambda: gb.quantize_experts(w.detach(), spec[GemmRole.W_FPROP], need_t=True,
                                          transient=True)
     wq, wt = w_pair()
-    x_pair = lambda: gb.quantize(xd, offs, spec[GemmRole.X_FPROP], spec[GemmRole.X_WGRAD],
+    x_pair = lambda: gb.quantize_groups(xd, offs, spec[GemmRole.X_FPROP], spec[GemmRole.X_WGRAD],
                                  signs=signs, transient=(True, False))
-    dy_pair = lambda: gb.quantize(dy, offs, spec[GemmRole.DY_DGRAD], spec[GemmRole.DY_WGRAD],
+    dy_pair = lambda: gb.quantize_groups(dy, offs, spec[GemmRole.DY_DGRAD], spec[GemmRole.DY_WGRAD],
                                   seed=seed, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
                                   col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs,
                                   transient=(True, True), prepare=wt)

@@ -9,9 +9,9 @@ of a (G, N, K) parameter. Per projection and step:
     dgrad  dX_g = dY_g W_g      dY: 1D SR                             W_g^T: the same 2D blocks
     wgrad  dW_g = dY_g^T X_g    dY_g^T: RHT + 1D SR, X_g^T: RHT + 1D  (blocks of 16 tokens)
 
-each a grouped primitive of ``backends.grouped`` (the reference per group on CPU, the grouped
-kernels on GPUs). Every group's length must be a multiple of 16 (the wgrad blocks run along the
-tokens); the modules here pad each expert's tokens with zero rows (:func:`pad_groups`), so any
+each a grouped primitive of the backend (``Backend.quantize_groups``, ``quantize_experts``,
+``grouped_mm``: the reference per group on CPU, the grouped kernels on GPUs). Every group's
+length must be a multiple of 16 (the wgrad blocks run along the tokens); the modules here pad each expert's tokens with zero rows (:func:`pad_groups`), so any
 routing works.
 
 Modules: :class:`NVFP4GroupedExperts` (torchtitan's ``GroupedExperts`` layout: SwiGLU experts w1,
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends.grouped import (GroupedBackend, check_offsets, expert_slice, group_bounds,
-                               group_slice, resolved_grouped)
+from .backends import Backend, resolved
+from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, sr_key, training
 from .operand import GroupedOperand, NVFP4Operand
@@ -44,17 +44,17 @@ __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_lin
 # ----------------------------------------------------------------------------------------------
 # The layer algorithm
 # ----------------------------------------------------------------------------------------------
-def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+def grouped_fprop(be: Backend, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                   recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype,
                   need_wt: bool, need_xt: bool, wq: Optional[NVFP4Operand] = None,
                   ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand]]:
-    """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``gb``.
+    """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``be``.
 
     Args:
         x: (T, K) tokens sorted by expert; offs: int32 (G,) group ends; w: (G, N, K) weights.
         signs: (16,) RHT signs of the wgrad copies.
         need_wt, need_xt: also quantize each W_g^T (for dgrad) and each X_g^T (for wgrad).
-        wq: the weights as ``gb.quantize_experts`` made them for fprop (:func:`cached_weights`),
+        wq: the weights as ``be.quantize_experts`` made them for fprop (:func:`cached_weights`),
             or None to quantize ``w`` here; only without need_wt.
     Returns:
         (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
@@ -62,15 +62,15 @@ def grouped_fprop(gb: GroupedBackend, x: torch.Tensor, offs: torch.Tensor, w: to
     """
     wt = None
     if wq is None:
-        wq, wt = gb.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
+        wq, wt = be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
                                      transient=True)
-    xq, xt, _ = gb.quantize(x, offs, recipe.spec(GemmRole.X_FPROP),
+    xq, xt, _ = be.quantize_groups(x, offs, recipe.spec(GemmRole.X_FPROP),
                          recipe.spec(GemmRole.X_WGRAD) if need_xt else None, signs=signs,
                          transient=(True, False))
-    return gb.mm(xq, wq, out_dtype=out_dtype), wt, xt
+    return be.grouped_mm(xq, wq, out_dtype=out_dtype), wt, xt
 
 
-def grouped_grads(gb: GroupedBackend, dy: torch.Tensor, offs: torch.Tensor,
+def grouped_grads(be: Backend, dy: torch.Tensor, offs: torch.Tensor,
                   wt: Optional[NVFP4Operand], xt: Optional[GroupedOperand], recipe: NVFP4Recipe,
                   signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
                   dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -82,14 +82,14 @@ def grouped_grads(gb: GroupedBackend, dy: torch.Tensor, offs: torch.Tensor,
     Returns:
         (dX (T, K) of ``dx_dtype`` or None, dW (G, N, K) of ``dw_dtype`` or None).
     """
-    dyq, dytq, wt = gb.quantize(
+    dyq, dytq, wt = be.quantize_groups(
         dy, offs, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
         recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
         row_offset=SR_OFFSETS[GemmRole.DY_DGRAD], col_offset=SR_OFFSETS[GemmRole.DY_WGRAD],
         signs=signs, transient=(True, True), prepare=wt)
-    dx = None if dyq is None else gb.mm(dyq, wt, out_dtype=dx_dtype)
+    dx = None if dyq is None else be.grouped_mm(dyq, wt, out_dtype=dx_dtype)
     del dyq
-    dw = None if dytq is None else gb.mm(dytq, xt, out_dtype=dw_dtype)
+    dw = None if dytq is None else be.grouped_mm(dytq, xt, out_dtype=dw_dtype)
     return dx, dw
 
 
@@ -104,7 +104,7 @@ class _GroupedLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, offs, signs, sr, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, wt, xt = grouped_fprop(resolved_grouped(backend), x, offs, w, recipe, signs, out_dtype,
+        y, wt, xt = grouped_fprop(resolved(backend), x, offs, w, recipe, signs, out_dtype,
                                   need_dx, need_dw)
         ctx.recipe, ctx.backend, ctx.sr = recipe, backend, sr
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
@@ -124,7 +124,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         sr_seed, sr_step, sr_rank = ctx.sr
         seed = next_sr_key(sr_seed, sr_step, sr_rank)
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = grouped_grads(resolved_grouped(ctx.backend), dy.contiguous(),
+            dx, dw = grouped_grads(resolved(ctx.backend), dy.contiguous(),
                                    offs, wt if ctx.needs_input_grad[0] else None,
                                    xt if ctx.needs_input_grad[1] else None, ctx.recipe, signs,
                                    seed, ctx.x_dtype, ctx.w_dtype)
@@ -164,7 +164,7 @@ def _grouped_linear(x, w, offs, recipe, signs, sr, backend, wq=None):
     with torch.autocast(x.device.type, enabled=False):
         if training(x, w):
             return _GroupedLinearFn.apply(x, w, offs, signs, sr, recipe, backend, y_dtype)
-        return grouped_fprop(resolved_grouped(backend), x, offs, w, recipe, signs, y_dtype,
+        return grouped_fprop(resolved(backend), x, offs, w, recipe, signs, y_dtype,
                              False, False, wq)[0]
 
 
@@ -212,7 +212,7 @@ class NVFP4Experts(NVFP4Module):
         """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
         backend = backend_name(self.recipe.backend.value, w.device)
         wq = None if training(x, w) else self.cached_operand(
-            self.PROJECTIONS[p], w, backend, lambda: resolved_grouped(backend).quantize_experts(
+            self.PROJECTIONS[p], w, backend, lambda: resolved(backend).quantize_experts(
                 w, self.recipe.spec(GemmRole.W_FPROP), need_t=False, transient=True)[0])
         y = _grouped_linear(x, w, offs, self.recipe, self.rht_signs, self.sr_state(p), backend, wq)
         if self.captured is not None:
@@ -226,7 +226,7 @@ class NVFP4Experts(NVFP4Module):
         token group (``"x"``, ``"xt"`` now; ``"dy"``, ``"dyt"`` when the gradient of ``y``
         arrives), quantized again with the step's specs, signs and SR stream, so they hold the
         bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
-        gb, r, signs = resolved_grouped(backend), self.recipe, self.rht_signs
+        be, r, signs = resolved(backend), self.recipe, self.rht_signs
         bounds = group_bounds(offs)
         record = self.captured.setdefault(self.PROJECTIONS[p], {})
 
@@ -238,10 +238,10 @@ class NVFP4Experts(NVFP4Module):
 
         with torch.no_grad():
             spec = r.spec(GemmRole.W_FPROP)
-            wq = gb.quantize_experts(w.detach(), spec, need_t=False)[0]
+            wq = be.quantize_experts(w.detach(), spec, need_t=False)[0]
             record["w"] = [NVFP4Tensor.from_operand(expert_slice(wq, g), spec, w.dtype,
                                                     backend=backend) for g in range(w.shape[0])]
-            xq, xt, _ = gb.quantize(x.detach(), offs, r.spec(GemmRole.X_FPROP),
+            xq, xt, _ = be.quantize_groups(x.detach(), offs, r.spec(GemmRole.X_FPROP),
                                     r.spec(GemmRole.X_WGRAD), signs=signs)
             record.update(x=groups(xq, GemmRole.X_FPROP), xt=groups(xt, GemmRole.X_WGRAD))
         if y.requires_grad:
@@ -249,7 +249,7 @@ class NVFP4Experts(NVFP4Module):
 
             def record_dy(dy):
                 with torch.no_grad():
-                    dyq, dyt, _ = gb.quantize(
+                    dyq, dyt, _ = be.quantize_groups(
                         dy.contiguous(), offs, r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD),
                         seed=seed, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
                         col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nvfp4_recipe import reference as R
+from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from nvfp4_recipe.kernels.grouped import (_INTERP_GROUPED_GEMM_CONFIG, grouped_scaled_mm,
                                           quantize_experts, quantize_grouped)
@@ -143,24 +144,23 @@ def test_experts_match_per_expert_reference(sp, inner):
 
 def check_rider(x, offs, w, device=DEV):
     """dY's grouped pass with the experts' W^T (2d codes) riding along, as dgrad runs it
-    (``TritonGrouped.quantize(prepare=...)``): W^T's inner values equal the dequantize pass's, and
+    (``TritonBackend.quantize_groups(prepare=...)``): W^T's inner values equal the dequantize pass's, and
     the copies equal those of the pass alone."""
-    from nvfp4_recipe.backends.grouped import get_grouped_backend
     from nvfp4_recipe.kernels.grouped import expert_inner
     r = NVFP4Recipe()
     _, wt = quantize_experts(w, r.spec(GemmRole.W_FPROP))
     kw = dict(seed=torch.tensor(5, device=device), signs=signs_for().to(device),
               transient=(True, True))
     specs = (r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD))
-    gb = get_grouped_backend("triton", device)
-    rows, cols, prepared = gb.quantize(x, offs, *specs, **kw, prepare=wt)
-    alone = gb.quantize(x, offs, *specs, **kw)
+    be = get_backend("triton", device)
+    rows, cols, prepared = be.quantize_groups(x, offs, *specs, **kw, prepare=wt)
+    alone = be.quantize_groups(x, offs, *specs, **kw)
     end = int(offs[-1])  # rows past the last group are left unwritten
     assert torch.equal(rows.data.values[:end], alone[0].data.values[:end])
     assert torch.equal(cols.data.values[:, :end], alone[1].data.values[:, :end])
     assert prepared.qdata is None and torch.equal(prepared.values, expert_inner(wt))
     assert torch.equal(prepared.outer_scale, wt.outer_scale)
-    assert gb.quantize(x, offs, specs[0], None, **kw, prepare=wt)[2] is wt  # nothing to ride on
+    assert be.quantize_groups(x, offs, specs[0], None, **kw, prepare=wt)[2] is wt  # nothing to ride on
 
 
 def test_weight_dequantize_rides_on_the_dy_pass():

@@ -25,6 +25,7 @@ import nvfp4_recipe as nr
 from nvfp4_recipe import moe
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.api import skip_reasons
+from nvfp4_recipe.backends import get_backend, native
 from nvfp4_recipe.backends import grouped as BG
 from nvfp4_recipe.operand import GroupedOperand
 from nvfp4_recipe.recipe import SR_OFFSETS
@@ -112,12 +113,12 @@ def check_grouped_linear(backend, scaling, x_dtype, ends, k, n, device="cpu"):
     y.backward(dy)
     assert y.dtype == x_dtype and x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
 
-    oracle, bounds = BG.GroupedBackend(), BG.group_bounds(offs)
+    oracle, bounds = get_backend("reference", "cpu"), BG.group_bounds(offs)
     spec = recipe.spec
-    xq, xt, _ = oracle.quantize(x.detach(), offs, spec(GemmRole.X_FPROP), spec(GemmRole.X_WGRAD),
+    xq, xt, _ = oracle.quantize_groups(x.detach(), offs, spec(GemmRole.X_FPROP), spec(GemmRole.X_WGRAD),
                              signs=signs)
     wq, wt = oracle.quantize_experts(w.detach(), spec(GemmRole.W_FPROP), need_t=True)
-    dyq, dyt, _ = oracle.quantize(dy, offs, spec(GemmRole.DY_DGRAD), spec(GemmRole.DY_WGRAD),
+    dyq, dyt, _ = oracle.quantize_groups(dy, offs, spec(GemmRole.DY_DGRAD), spec(GemmRole.DY_WGRAD),
                                seed=1234, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
                                col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs)
     d = lambda op: dequantized_groups(op, bounds)
@@ -305,14 +306,14 @@ def test_experts_cached_weights_quantize_once_with_the_same_outputs(monkeypatch,
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
     ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend))
     x, counts = torch.randn(40, 32), torch.tensor([10, 10, 0, 20])
-    gb = BG.resolved_grouped(backend)
-    calls, quantize = [], type(gb).quantize_experts
+    be = get_backend(backend, "cpu")
+    calls, quantize = [], type(be).quantize_experts
 
     def spy(self, w, *args, **kwargs):
         calls.append(w.shape)
         return quantize(self, w, *args, **kwargs)
 
-    monkeypatch.setattr(type(gb), "quantize_experts", spy)
+    monkeypatch.setattr(type(be), "quantize_experts", spy)
     with torch.no_grad():
         uncached = ex(x, counts)
         assert len(calls) == 3
@@ -483,26 +484,25 @@ def emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, s
 def test_native_grouped_plumbing(monkeypatch, caplog):
     """fprop and dgrad on the native path (emulated) match each group's reference GEMM; per-token
     operands fall back to the Triton grouped GEMM, logged once."""
-    from nvfp4_recipe.backends import native
     monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", emulated_scaled_grouped_mm)
     monkeypatch.setattr(native, "fp4_tensor_cores", lambda device: True)
-    monkeypatch.setattr(BG, "warn_once", lambda msg, key=None: logging.getLogger(
+    monkeypatch.setattr(native, "warn_once", lambda msg, key=None: logging.getLogger(
         "nvfp4_recipe").warning(msg))
-    native, oracle = BG.NativeGrouped(), BG.GroupedBackend()
+    nb, oracle = native.NativeBackend(), get_backend("reference", "cpu")
     offs = torch.tensor([160, 160, 192, 320], dtype=torch.int32)  # 160 tokens: two 128-row tiles
     r = nr.NVFP4Recipe()
     x, w = rand((320, 64), seed=4), rand((4, 48, 64), torch.float32, seed=5)
-    xq, _, _ = oracle.quantize(x, offs, r.spec(GemmRole.X_FPROP), None)
+    xq, _, _ = oracle.quantize_groups(x, offs, r.spec(GemmRole.X_FPROP), None)
     wq, wt = oracle.quantize_experts(w, r.spec(GemmRole.W_FPROP), need_t=True)
-    y = native.mm(xq, wq, out_dtype=torch.bfloat16)
+    y = nb.grouped_mm(xq, wq, out_dtype=torch.bfloat16)
     for g, (s, e) in enumerate(BG.group_bounds(offs)):
         if e > s:
             assert_matches_reference(y[s:e], BG.group_slice(xq, g, s, e), BG.expert_slice(wq, g))
     tok = nr.NVFP4Recipe(scaling="per_token")
-    dyq, _, _ = oracle.quantize(rand((320, 48), seed=6), offs, tok.spec(GemmRole.DY_DGRAD), None,
+    dyq, _, _ = oracle.quantize_groups(rand((320, 48), seed=6), offs, tok.spec(GemmRole.DY_DGRAD), None,
                              seed=1)
     with caplog.at_level(logging.WARNING, logger="nvfp4_recipe"):
-        dx = native.mm(dyq, wt, out_dtype=torch.float32)
+        dx = nb.grouped_mm(dyq, wt, out_dtype=torch.float32)
     assert "per-token" in caplog.text
     for g, (s, e) in enumerate(BG.group_bounds(offs)):
         if e > s:
@@ -514,7 +514,6 @@ def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch):
     """Through the layer's algorithm (``moe.grouped_fprop``, X a transient copy) the native backend
     hands X to ``F.scaled_grouped_mm`` as codes, and gets the Triton grouped GEMM's result up to
     the fp32 summation order (one bf16 rounding each)."""
-    from nvfp4_recipe.backends import native
     calls = []
 
     def counted(*args, **kwargs):
@@ -527,33 +526,33 @@ def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch):
     r = nr.NVFP4Recipe()
     x, w = rand((64, 64), seed=4), rand((3, 32, 64), torch.float32, seed=5)
     signs = r.signs()
-    y = moe.grouped_fprop(BG.NativeGrouped(), x, offs, w, r, signs, torch.bfloat16, False, False)[0]
+    y = moe.grouped_fprop(native.NativeBackend(), x, offs, w, r, signs, torch.bfloat16, False,
+                          False)[0]
     assert calls == [1]
-    want = moe.grouped_fprop(BG.TritonGrouped(), x, offs, w, r, signs, torch.bfloat16, False,
+    want = moe.grouped_fprop(get_backend("triton", "cpu"), x, offs, w, r, signs, torch.bfloat16, False,
                              False)[0]
     torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
 
 def test_native_grouped_refuses_without_fp4_tensor_cores():
     offs = torch.tensor([32], dtype=torch.int32)
-    oracle, r = BG.GroupedBackend(), nr.NVFP4Recipe()
-    xq, _, _ = oracle.quantize(rand((32, 64)), offs, r.spec(GemmRole.X_FPROP), None)
+    oracle, r = get_backend("reference", "cpu"), nr.NVFP4Recipe()
+    xq, _, _ = oracle.quantize_groups(rand((32, 64)), offs, r.spec(GemmRole.X_FPROP), None)
     wq, _ = oracle.quantize_experts(rand((1, 32, 64)), r.spec(GemmRole.W_FPROP), need_t=False)
     with pytest.raises(ValueError, match="sm100"):
-        BG.native_grouped_mm(xq, wq)
+        native.native_grouped_mm(xq, wq)
 
 
 @pytest.mark.cuda
 def test_native_grouped_on_blackwell(device):
-    from nvfp4_recipe.backends import native
     if not native.fp4_tensor_cores(device):
         pytest.skip("needs an sm100+ GPU")
     offs = torch.tensor([256, 256, 640, 1024], dtype=torch.int32, device=device)
-    oracle, r = BG.GroupedBackend(), nr.NVFP4Recipe()
-    xq, _, _ = oracle.quantize(rand((1024, 512), device=device), offs, r.spec(GemmRole.X_FPROP), None)
+    oracle, r = get_backend("reference", "cpu"), nr.NVFP4Recipe()
+    xq, _, _ = oracle.quantize_groups(rand((1024, 512), device=device), offs, r.spec(GemmRole.X_FPROP), None)
     wq, _ = oracle.quantize_experts(rand((4, 768, 512), device=device), r.spec(GemmRole.W_FPROP),
                                     need_t=False)
-    y = BG.native_grouped_mm(xq, wq)
+    y = native.native_grouped_mm(xq, wq)
     for g, (s, e) in enumerate(BG.group_bounds(offs)):
         if e > s:
             assert_matches_reference(y[s:e], BG.group_slice(xq, g, s, e), BG.expert_slice(wq, g))
@@ -566,7 +565,7 @@ def test_blocked_group_scales_layout():
     g = torch.Generator().manual_seed(7)
     scale = torch.randint(1, 0x7F, (208, 5), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     offs = torch.tensor([0, 144, 160, 208], dtype=torch.int32)
-    got = BG.blocked_group_scales(scale, offs).view(torch.uint8)
+    got = native.blocked_group_scales(scale, offs).view(torch.uint8)
     start, row = 0, 0
     for end in offs.tolist():
         if end > start:

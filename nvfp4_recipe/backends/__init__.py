@@ -15,11 +15,11 @@ import functools
 import importlib
 import logging
 import os
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ..operand import NVFP4Operand
+from ..operand import GroupedOperand, NVFP4Operand
 from ..spec import BackendName, QuantSpec
 from .operators import register_methods
 
@@ -46,9 +46,12 @@ class Backend(abc.ABC):
     """
 
     name: str
-    # torch.compile traces the primitives' bodies (triton_op) rather than keeping them opaque
-    traced: bool = False
-    PRIMITIVES = ("quantize", "quantize_pair", "prepare_weight", "prepare", "mm")
+    PRIMITIVES = ("quantize", "quantize_pair", "prepare_weight", "prepare", "mm", "quantize_groups",
+                  "quantize_experts", "grouped_mm")
+    # the primitives torch.compile traces into (triton_op) rather than keeps opaque (custom_op)
+    traced: Tuple[str, ...] = ()
+    # primitive -> fake of an opaque one whose body cannot run on fake tensors
+    fakes: Dict[str, Callable] = {}
 
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
@@ -93,6 +96,47 @@ class Backend(abc.ABC):
         """D (M, N) = (s_a * s_b) * (A_inner @ B_inner^T) + bias for A (M, K), B (N, K)."""
 
 
+    @abc.abstractmethod
+    def quantize_groups(self, x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpec],
+                        col: Optional[QuantSpec], *, seed: IntOrTensor = 0,
+                        row_offset: IntOrTensor = 0, col_offset: IntOrTensor = 0,
+                        signs: Optional[torch.Tensor] = None,
+                        transient: Tuple[bool, bool] = (False, False),
+                        prepare: Optional[NVFP4Operand] = None,
+                        ) -> Tuple[Optional[GroupedOperand], Optional[GroupedOperand],
+                                   Optional[NVFP4Operand]]:
+        """The rowwise copy of the token groups of x (T, K) under ``row`` and the columnwise
+        copy (each group's x_g^T, blocks along its tokens) under ``col``, each None to skip; one
+        outer scale per group (or per token). Groups end at ``offs`` (int32 (G,), on the device;
+        ``grouped.check_offsets``); group g's SR counters start at ``offset + s_g * K / 16``.
+        ``transient``/``prepare`` as in :meth:`quantize_pair` (``prepare``: a stacked expert
+        operand, dgrad's W^T). Returns (rowwise, columnwise, prepared ``prepare`` or None).
+
+        Raises:
+            TypeError, ValueError: see ``grouped.check_quantize_args``.
+        """
+
+    @abc.abstractmethod
+    def quantize_experts(self, w: torch.Tensor, spec: QuantSpec, *, need_t: bool,
+                         transient: bool = False) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """Expert weights (G, N, K), each W_g quantized alone under ``spec`` (per-tensor, no
+        RHT), and with ``need_t`` each W_g^T (2d: the exact transpose; 1d: W_g^T quantized along
+        N): stacked operands (G, N, K) and (G, K, N), outer scales (G,). ``transient``: W only
+        feeds the next :meth:`grouped_mm` and may come back as inner values.
+
+        Raises:
+            ValueError: see ``grouped.check_experts``.
+        """
+
+    @abc.abstractmethod
+    def grouped_mm(self, a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand], *,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The grouped GEMM: with ``b`` a stacked (G, N, K) expert operand (fprop, dgrad),
+        ``D[r] = s_a * s_b[g] * A_inner[r] @ B_inner[g]^T`` for the rows r of group g, (T, N);
+        with ``b`` grouped along K like ``a`` (wgrad), ``D[g] = s_a * s_b * A_g @ B_g^T`` over
+        each group's tokens, (G, M, N). Rows past the last group are zeros."""
+
+
 def quantize_each(backend: Backend, x: torch.Tensor, row: Optional[QuantSpec],
                   col: Optional[QuantSpec], seed: IntOrTensor, row_offset: IntOrTensor,
                   col_offset: IntOrTensor, signs: Optional[torch.Tensor],
@@ -116,8 +160,8 @@ def register_backend(cls) -> type:
     primitives registered as torch operators (``operators.py``: the compile boundary)."""
     _CLASSES[cls.name] = cls
     _INSTANCES[cls.name] = cls()
-    register_methods(cls, _INSTANCES[cls.name], Backend.PRIMITIVES, cls.name,
-                     traced=Backend.PRIMITIVES if cls.traced else ())
+    register_methods(cls, _INSTANCES[cls.name], Backend.PRIMITIVES, cls.name, traced=cls.traced,
+                     fakes=cls.fakes)
     return cls
 
 

@@ -15,12 +15,15 @@ bias are then applied in fp32 and the result is rounded once, as in ``reference.
 """
 
 import torch
+import torch.nn.functional as F
 
 from ..formats import BLOCK
-from ..operand import NVFP4Operand
+from ..operand import GroupedOperand, NVFP4Operand
 from ..reference import apply_outer_scales
 from ..spec import Block
-from . import register_backend, warn_once
+from . import Backend, register_backend, resolved, warn_once
+from . import grouped as G
+from . import triton as _triton  # noqa: F401  (registers the Triton backend, which quantizes groups)
 from .reference import ReferenceBackend
 
 
@@ -41,7 +44,7 @@ def swizzle_scales(scale: torch.Tensor, block: Block) -> torch.Tensor:
         ``[r % 32][r // 32][c]`` (cuBLAS docs, "1D block scaling factors layout"; torchao's
         ``to_blocked``).
     """
-    from torchao.prototype.mx_formats.utils import to_blocked
+    from torchao.prototype.mx_formats.utils import to_blocked  # a prototype: loaded when used
 
     s = scale.view(torch.uint8)
     if Block(block) is Block.D2:
@@ -85,7 +88,8 @@ class NativeBackend(ReferenceBackend):
     """sm100+ FP4 tensor cores for the GEMM; quantization is the reference implementation."""
 
     name = "native"
-    traced = True
+    traced = tuple(p for p in Backend.PRIMITIVES if p != "grouped_mm")
+    fakes = {"grouped_mm": G.fake_grouped_mm}
 
     def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias=None,
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -97,3 +101,95 @@ class NativeBackend(ReferenceBackend):
                       "reference GEMM for such shapes (logged once)", key="native-unaligned")
             return super().mm(a, b, bias=bias, out_dtype=out_dtype)
         return native_scaled_mm(a, b, bias, out_dtype)
+
+    def quantize_groups(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
+                        transient=(False, False), prepare=None):
+        """The Triton backend's, but a rowwise copy with per-group outer scales (fprop's X,
+        dgrad's dY) stays codes, transient or not, and ``prepare`` is left as it is:
+        ``F.scaled_grouped_mm`` reads codes (:func:`native_unsupported`)."""
+        if row is not None and not row.per_token:
+            transient = (False, transient[1])
+        r, c, _ = resolved("triton").quantize_groups(
+            x, offs, row, col, seed=seed, row_offset=row_offset, col_offset=col_offset,
+            signs=signs, transient=transient)
+        return r, c, prepare
+
+    def quantize_experts(self, w, spec, *, need_t, transient=False):
+        """The Triton backend's, with W as codes (what ``F.scaled_grouped_mm`` reads)."""
+        return resolved("triton").quantize_experts(w, spec, need_t=need_t)
+
+    def grouped_mm(self, a, b, *, out_dtype=torch.float32):
+        """:func:`native_grouped_mm` where it computes the GEMM with one rounding, else the Triton
+        grouped GEMM (logged once per reason)."""
+        why = native_unsupported(a, b, out_dtype)
+        if why:
+            warn_once(f"native grouped NVFP4 GEMM: {why}; using the Triton grouped GEMM for such "
+                      f"GEMMs (logged once)", key="native-grouped-" + why)
+            return resolved("triton").grouped_mm(a, b, out_dtype=out_dtype)
+        return native_grouped_mm(a, b)
+
+
+def native_unsupported(a: GroupedOperand, b, out_dtype: torch.dtype) -> str:
+    """Why ``F.scaled_grouped_mm`` cannot compute this grouped GEMM exactly ('' if it can): it
+    takes one global scale per group and operand and returns bf16 only, so per-token outer
+    scales or another output dtype would round twice; wgrad (2d x 2d) is not wired up."""
+    if isinstance(b, GroupedOperand):
+        return "wgrad (groups along K) is not wired to scaled_grouped_mm"
+    if a.per_token:
+        return "per-token outer scales cannot be one global scale per group"
+    if out_dtype != torch.bfloat16:
+        return f"scaled_grouped_mm returns bfloat16 only, {out_dtype} was asked"
+    if a.data.qdata is None or b.qdata is None:
+        return "an operand holds inner values, not codes"
+    if a.data.k % 32:
+        return f"K = {a.data.k} is not a multiple of 32"
+    return ""
+
+
+def blocked_group_scales(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The E4M3 block scales (T, K/16) of a rows-grouped operand in the layout
+    ``scaled_grouped_mm`` takes for a 2-D A (torchao's ``torch_to_blocked_2d_M_groups``): each
+    group's rows padded to a multiple of 128 and laid out with ``to_blocked``, groups one after
+    another. Built on the device without the group sizes on the host: (T + 128 G) rows of
+    ceil(K/64) * 4 columns, zero padding."""
+    from torchao.prototype.mx_formats.utils import to_blocked  # a prototype: loaded when used
+
+    t, cols = scale.shape
+    n_groups = offs.shape[0]
+    ends = offs.long()
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (sizes + 127) // 128 * 128
+    starts, pstarts = ends - sizes, torch.cumsum(padded, 0) - padded
+    group = torch.repeat_interleave(torch.arange(n_groups, device=scale.device), sizes,
+                                    output_size=t) if n_groups else sizes
+    dest = torch.arange(t, device=scale.device) - starts[group] + pstarts[group]
+    rows = (t + 127) // 128 * 128 + 128 * n_groups
+    buf = torch.zeros(rows, cols, dtype=torch.uint8, device=scale.device)
+    buf.index_copy_(0, dest, scale.view(torch.uint8))
+    out_cols = (cols + 3) // 4 * 4
+    return to_blocked(buf).view(rows, out_cols).view(torch.float8_e4m3fn)
+
+
+def native_grouped_mm(a: GroupedOperand, b: NVFP4Operand) -> torch.Tensor:
+    """fprop/dgrad on FP4 tensor cores: ``F.scaled_grouped_mm`` with NVFP4 operands (block scales
+    ``BlockWise1x16`` in the swizzled 32x4x4 layout, the per-group outer scales as the
+    ``TensorWise`` global scales, whose product scales each group's fp32 accumulator before its one
+    rounding to bf16). UNTESTED ON HARDWARE (docs/moe.md): the CPU tests replace the call by an
+    emulation of its documented semantics.
+
+    Raises:
+        ValueError: the operands are not on an sm100+ GPU.
+    """
+    if not fp4_tensor_cores(a.data.device):
+        raise ValueError(f"the native grouped NVFP4 GEMM needs an sm100+ GPU, got {a.data.device}")
+    fp4 = torch.float4_e2m1fn_x2
+    n_groups = b.qdata.shape[0]
+    b_scales = torch.stack([swizzle_scales(b.scale[g], b.block) for g in range(n_groups)])
+    rec, swz = F.ScalingType, F.SwizzleType
+    return F.scaled_grouped_mm(
+        a.data.qdata.view(fp4), b.qdata.view(fp4).transpose(-2, -1),
+        [blocked_group_scales(a.data.scale, a.offs), a.data.outer_scale],
+        [rec.BlockWise1x16, rec.TensorWise],
+        [b_scales, b.outer_scale], [rec.BlockWise1x16, rec.TensorWise],
+        swizzle_a=[swz.SWIZZLE_32_4_4, swz.NO_SWIZZLE], swizzle_b=[swz.SWIZZLE_32_4_4, swz.NO_SWIZZLE],
+        offs=a.offs, output_dtype=torch.bfloat16)

@@ -25,6 +25,7 @@ import torch
 from .. import reference as R
 from ..kernels import amax as A
 from ..kernels import gemm as G
+from ..kernels import grouped as KG
 from ..kernels.dequantize import dequantize_inner
 from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
 from ..kernels.runtime import inner_values_supported, interpreting
@@ -32,6 +33,7 @@ from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
 from ..streams import SideStream
 from . import AmaxReduce, Backend, IntOrTensor, quantize_each, register_backend, warn_once
+from . import grouped as BG
 from .reference import ReferenceBackend
 
 _REFERENCE = ReferenceBackend()
@@ -66,7 +68,10 @@ class TritonBackend(Backend):
     """Fused Triton quantization kernels and the Triton NVFP4 GEMM (sm80/sm90; the interpreter)."""
 
     name = "triton"
-    traced = not interpreting()
+    # the grouped GEMM stays opaque: it makes host-side TMA descriptors, which a recorded launch
+    # would drop
+    traced = () if interpreting() else tuple(p for p in Backend.PRIMITIVES if p != "grouped_mm")
+    fakes = {"grouped_mm": BG.fake_grouped_mm}
 
     def __init__(self):
         self._forks = threading.local()  # side-stream work the next mm waits for
@@ -169,6 +174,39 @@ class TritonBackend(Backend):
             side.join(*outputs)
         forks.clear()
         return G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype)
+
+    def quantize_groups(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
+                        transient=(False, False), prepare=None):
+        """One launch for all groups (``kernels.grouped.quantize_grouped``); ``prepare``
+        (codes) is dequantized to fp16 inner values in the launch that writes the columnwise copy
+        (its memory traffic overlaps that pass's arithmetic), or left to :meth:`grouped_mm` when
+        there is none."""
+        BG.check_quantize_args(x, row, col, signs)
+        supported = inner_values_supported(x.device)
+        inner = transient if supported else (False, False)
+        ride = prepare is not None and prepare.values is None and col is not None and supported
+        rider = None
+        if ride:
+            n_groups, rows, half = prepare.qdata.shape
+            rider = (KG.stacked_codes(prepare),
+                     torch.empty(n_groups * rows, 2 * half, dtype=torch.float16, device=x.device))
+        r, c = KG.quantize_grouped(x, offs, row, col, inner=inner, seed=seed,
+                                   row_offset=row_offset, col_offset=col_offset, signs=signs,
+                                   dequantize=rider)
+        if ride:
+            prepare = prepare._replace(qdata=None, scale=None,
+                                       values=rider[1].view(n_groups, rows, 2 * half))
+        return r, c, prepare
+
+    def quantize_experts(self, w, spec, *, need_t, transient=False):
+        """``kernels.grouped.quantize_experts``: W as fp16 inner values when transient (sm89+)."""
+        BG.check_experts(w, spec)
+        return KG.quantize_experts(w, spec, write_wt=need_t,
+                                   inner=transient and inner_values_supported(w.device))
+
+    def grouped_mm(self, a, b, *, out_dtype=torch.float32):
+        """``kernels.grouped.grouped_scaled_mm``."""
+        return KG.grouped_scaled_mm(a, b, out_dtype=out_dtype)
 
     def _fork(self, side: SideStream, *outputs) -> None:
         if side.forked:
