@@ -8,6 +8,7 @@ several processes it trains data-parallel (``train/parallel.py``); rank 0 report
 
 import argparse
 import datetime
+import importlib.metadata
 import math
 import os
 import platform
@@ -23,6 +24,7 @@ PROG = "nvfp4-recipe"
 DEFAULT_RECIPES = ("bf16", "nvfp4")
 MOE_EXPERTS, MOE_TOP_K = 8, 2
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+SEED_LIMIT = 2**31  # NVFP4Recipe.seed's range is [0, 2**31)
 
 
 class UsageError(Exception):
@@ -42,6 +44,21 @@ def _preset_help() -> str:
     return "\n".join(lines)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("nvfp4-recipe")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
+
+
+def _seed(text: str) -> int:
+    """argparse type of --seed: an int in [0, 2**31)."""
+    digits = text.strip()
+    if not (digits.isdecimal() and int(digits) < SEED_LIMIT):
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**31), got {text}")
+    return int(digits)
+
+
 def _add_preset_options(group, options) -> None:
     """Options whose default (None) means 'the preset's value'; ``options``: (flag, type, help)."""
     for flag, type_, help_ in options:
@@ -53,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nvfp4-recipe`` (subcommand ``train``)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="NVFP4 training for PyTorch: the main job and tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "train", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -102,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--warmup-steps", int, "linear learning-rate warm-up steps"),
         ("--eval-every", int, "steps between validation passes"),
         ("--eval-tokens", int, "validation tokens per pass")))
-    opt.add_argument("--seed", type=int, default=0,
+    opt.add_argument("--seed", type=_seed, default=0, metavar="N",
                      help="seeds the file split, the initialization, the data order and NVFP4Recipe.seed")
     run = p.add_argument_group("execution and output")
     run.add_argument("--device", default="auto",
@@ -121,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "launch cost); auto = graph on CUDA for a dense model, eager elsewhere "
                           "(default auto)")
     run.add_argument("--threads", type=int, metavar="N",
-                     help="CPU threads of torch (torch.set_num_threads; default: torch's choice)")
+                     help="CPU threads of torch (torch.set_num_threads; default: the CPUs not busy, "
+                          "those of this process less the 1-minute load average, at least 1 and at "
+                          "most torch's choice)")
     run.add_argument("--out", metavar="DIR",
                      help="output directory (default: runs/<timestamp>/); one that already holds a "
                           "results.json is refused unless --overwrite is given")
@@ -161,6 +181,17 @@ def _moe_fields(args) -> dict:
                          f"dense model), got {args.experts}")
     return {"n_experts": MOE_EXPERTS if args.experts is None else args.experts,
             "top_k": MOE_TOP_K if args.top_k is None else args.top_k}
+
+
+def idle_threads(most: int) -> int:
+    """The CPUs this process may use less the 1-minute load average, rounded, in [1, most].
+
+    Threads that share a core with another busy process slow the many small ops of the reference
+    NVFP4 path tenfold (each op waits for its slowest thread); one thread per idle core does not.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(most, round(cpus - busy)))
 
 
 def _device(name: str):
@@ -273,10 +304,9 @@ def _prepare(args):
     for d in args.data:  # fail before anything slow
         if not os.path.isdir(d):
             raise ValueError(f"data directory not found: {d}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or idle_threads(torch.get_num_threads()))
     device = _device(args.device)
     parallel = DataParallel.from_env(device)  # under torchrun: this rank's share and device
     if parallel is not None:

@@ -1,5 +1,6 @@
 """The main job, ``nvfp4-recipe train``: it learns on real data, and bad arguments fail clearly."""
 
+import importlib.metadata
 import json
 import math
 import os
@@ -80,6 +81,55 @@ def test_help_lists_every_recipe_and_option(capsys):
         assert option in text
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """A run sets torch's thread count; give the next test the one it had."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"nvfp4-recipe {importlib.metadata.version('nvfp4-recipe')}\n"
+
+
+@pytest.mark.parametrize("seed", ["-1", "2147483648", "1.5", "x"])
+def test_seed_out_of_range_is_refused_by_argparse(capsys, seed):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--seed", seed])
+    assert e.value.code == cli.EXIT_USAGE
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"nvfp4-recipe train: error: argument --seed: must be an int in [0, 2**31), got {seed}")
+
+
+def test_seed_range_ends():
+    parse = cli.build_parser().parse_args
+    assert parse(["train", "--seed", "0"]).seed == 0
+    assert parse(["train", "--seed", str(2**31 - 1)]).seed == 2**31 - 1
+
+
+@pytest.mark.parametrize("cpus, load, most, want", [
+    (2, 0.1, 2, 2), (2, 1.2, 2, 1), (2, 3.5, 2, 1), (8, 3.4, 8, 5), (8, 0.0, 4, 4)])
+def test_idle_threads_leave_the_busy_cores_out(monkeypatch, cpus, load, most, want):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert cli.idle_threads(most) == want
+
+
+def test_run_threads_default_to_the_idle_cores_and_follow_threads(tmp_path, monkeypatch):
+    from nvfp4_recipe.train import loop
+    monkeypatch.setattr(loop, "train_run", _fake_run)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1000.0, 0.0, 0.0))  # every core busy
+    torch.set_num_threads(2)
+    status, results = _train(tmp_path / "busy", "--recipes", "bf16")
+    assert status == 0 and results["hardware"].endswith(", 1 torch threads")
+    status, results = _train(tmp_path / "given", "--recipes", "bf16", "--threads", "2")
+    assert status == 0 and results["hardware"].endswith(", 2 torch threads")
+
+
 def test_module_entry_point_help():
     proc = subprocess.run([sys.executable, "-m", "nvfp4_recipe", "--help"], capture_output=True,
                           text=True, env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
@@ -97,7 +147,6 @@ def test_module_entry_point_help():
     (["--lr", "nan"], "nvfp4-recipe train: error: --lr must be a finite number > 0, got nan"),
     (["--lr", "inf"], "nvfp4-recipe train: error: --lr must be a finite number > 0, got inf"),
     (["--max-mb", "nan"], "nvfp4-recipe train: error: --max-mb must be a finite number >= 0, got nan"),
-    (["--seed", "-1"], "nvfp4-recipe train: error: NVFP4Recipe.seed: must be an int in [0, 2**31), got -1"),
     (["--backend", "native"], "nvfp4-recipe train: error: NVFP4 backend 'native' cannot run here: "
                               "the native backend needs a CUDA device, got cpu"),
     (["--experts", "0"], "nvfp4-recipe train: error: --experts must be >= 1 (leave out --moe, "
