@@ -106,8 +106,8 @@ class NVFP4Recipe(AOBaseConfig):
         keep_bf16: fnmatch patterns of fully qualified module names left in high precision (a
             tuple or list of str, or one str; stored as a tuple).
         keep_first_last: keep the first and the last this many nn.Linear layers in high precision.
-        backend: a :class:`~nvfp4_recipe.spec.BackendName`: AUTO ("auto": native on sm100+, triton
-            on other CUDA GPUs, reference on CPU), REFERENCE, TRITON or NATIVE.
+        backend: a :class:`~nvfp4_recipe.spec.BackendName`: AUTO ("auto": triton on CUDA GPUs,
+            reference on CPU), REFERENCE, TRITON or NATIVE (opt-in, untested on a Blackwell GPU).
         seed: base seed of the per-layer SR streams, an int in [0, 2**31).
 
     Raises:
@@ -130,7 +130,7 @@ class NVFP4Recipe(AOBaseConfig):
     keep_first_last: int = _field(
         0, "keep the first and the last this many nn.Linear layers in high precision")
     backend: BackendName = _field(
-        BackendName.AUTO, "auto: native on Blackwell, triton on other CUDA GPUs, reference on the CPU")
+        BackendName.AUTO, "auto: triton on CUDA GPUs, reference on the CPU (native: opt-in, untested)")
     seed: int = _field(0, "base seed of the per-layer SR streams")
 
     def __post_init__(self):

@@ -3,9 +3,12 @@ backend's bits for quantize, quantize_pair (transient copies as inner values, a 
 in the same pass, transposed views read through their base), prepare_weight and mm; "auto" and
 named backends resolve as documented."""
 
+import logging
+
 import pytest
 import torch
 
+import nvfp4_recipe.backends as B
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.backends.reference import ReferenceBackend
@@ -119,3 +122,21 @@ def test_cuda_pair_and_prepare(name, row, col, device):
     assert_inner_equals(r, ref_r)
     assert_inner_equals(c, ref_c)
     assert_inner_equals(bp, b)
+
+
+def test_auto_picks_triton_on_every_gpu_and_native_is_opt_in(monkeypatch, caplog):
+    """On a CUDA device "auto" is the Triton backend even where the native one could run (sm100+:
+    it has not run on a Blackwell GPU yet); naming "native" works and logs once that it is
+    untested."""
+    B._load("native")  # registers the native and Triton backends
+    monkeypatch.setattr(B, "_available", lambda name, device: None)  # every backend can run
+    monkeypatch.setattr(B, "_WARNED", set())
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="nvfp4_recipe"):
+        assert B._resolve("auto", cuda).name == "triton"
+        assert not caplog.records
+        assert B._resolve("native", cuda).name == "native"
+        assert B._resolve("native", cuda).name == "native"
+    assert [r.getMessage() for r in caplog.records if "untested" in r.getMessage()] == [
+        caplog.records[0].getMessage()]
+    assert "Blackwell" in caplog.text

@@ -207,8 +207,10 @@ def resolved(name: str) -> Backend:
 def get_backend(name: str, device: torch.device) -> Backend:
     """The backend for ``name`` ("auto", "reference", "triton", "native") on ``device``.
 
-    "auto" picks native on sm100+, triton on other CUDA GPUs and reference elsewhere, falling back
-    to the next one (with a warning logged once) when a backend is unavailable. The answer for a
+    "auto" picks triton on CUDA GPUs (Blackwell included, until the native backend has been tested
+    on one) and reference elsewhere, falling back to the next one (with a warning logged once)
+    when a backend is unavailable. "native" (sm100+ FP4 tensor cores) is opt-in and logs once
+    that it is untested on hardware. The answer for a
     CUDA device is cached (a layer asks on every forward and backward); off CUDA it depends on
     ``TRITON_INTERPRET`` and is worked out each time.
 
@@ -225,7 +227,7 @@ def get_backend(name: str, device: torch.device) -> Backend:
 
 def _resolve(name: str, device: torch.device) -> Backend:
     if name == "auto":
-        order = ["native", "triton", "reference"] if device.type == "cuda" else ["reference"]
+        order = ["triton", "reference"] if device.type == "cuda" else ["reference"]
         for i, candidate in enumerate(order):
             why = _available(candidate, device)
             if why is None:
@@ -238,6 +240,10 @@ def _resolve(name: str, device: torch.device) -> Backend:
         why = _available(name, device)
         if why is not None:
             raise ValueError(f"NVFP4 backend {name!r} cannot run here: {why}")
+        if name == "native":
+            warn_once("NVFP4 backend 'native' (FP4 tensor-core GEMMs on Blackwell) has not run on a "
+                      "Blackwell GPU yet: its results are untested; backend='triton' runs the tested "
+                      "kernels there", key="native-untested")
     return _INSTANCES[name]
 
 
