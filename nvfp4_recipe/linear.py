@@ -101,6 +101,21 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
     return dx, dw
 
 
+def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """nn.Linear's rule: outside autocast, the input and the bias have the weight's dtype.
+
+    Raises:
+        RuntimeError: with nn.Linear's wording and the dtypes.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        return
+    for what, t in (("mat1 and mat2", x), ("the bias and the weight", bias)):
+        if t is not None and t.dtype != weight.dtype:
+            raise RuntimeError(f"{what} must have the same dtype, but got {t.dtype} and "
+                               f"{weight.dtype} (NVFP4Linear follows nn.Linear: outside autocast the "
+                               f"input and the bias take the weight's dtype)")
+
+
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype nn.Linear would return: the autocast dtype when autocast is on, else x.dtype."""
     kind = x.device.type
@@ -239,10 +254,12 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
                       shard: Optional[TensorParallelShard] = None) -> torch.Tensor:
         """The layer's forward on (local) tensors: x (..., K) -> (..., N) for weight (N, K) and
         bias (N,) or None, this layer's parameters or, with ``shard``, their tensor-parallel
-        shards (amaxes reduced over the group)."""
+        shards (amaxes reduced over the group). Raises RuntimeError, as nn.Linear, for an input or
+        a bias whose dtype is not the weight's outside autocast."""
         n, k = weight.shape
         if x.shape[-1] != k:
             raise ValueError(f"NVFP4Linear expects input (..., {k}), got {tuple(x.shape)}")
+        _check_dtypes(x, weight, bias)
         backend = backend_name(self.recipe.backend.value, weight.device)
         y_dtype = out_dtype(x)
         signs = local(self.rht_signs)

@@ -515,3 +515,27 @@ def test_cached_weights_are_per_context_and_not_under_compile(monkeypatch):
         assert not inner._weight_cache  # a compiled forward does not cache
         assert torch.equal(got, inner(x)) and torch.equal(outer(x), want)
     assert outer._weight_cache == inner._weight_cache == {}
+
+
+def test_input_and_bias_dtypes_follow_nn_linear():
+    """Outside autocast nn.Linear refuses an input or a bias of another dtype than the weight's,
+    and so does NVFP4Linear, with nn.Linear's words; under autocast it takes them and returns
+    the autocast dtype (the fp32 result, rounded)."""
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 48)
+    x = torch.randn(16, 32)
+    for bad in (x.bfloat16(), x.double()):
+        with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+            nn.Linear(32, 48)(bad)
+        with pytest.raises(RuntimeError, match=f"mat1 and mat2 must have the same dtype, but got "
+                                               f"{bad.dtype} and torch.float32"):
+            layer(bad)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = layer(x)
+        assert layer(x.bfloat16()).dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16 and torch.equal(y, layer(x).bfloat16())
+    layer.bias = nn.Parameter(torch.randn(48, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="the bias and the weight must have the same dtype, but "
+                                           "got torch.float64 and torch.float32"):
+        layer(x)
+
