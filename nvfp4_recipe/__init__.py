@@ -1,12 +1,13 @@
 """nvfp4-recipe: NVFP4 training for PyTorch on any device (CPU reference, Triton emulation, Blackwell).
 
 Public API: :class:`NVFP4Recipe` (what to quantize and how), :func:`quantize_` (swap nn.Linear
-layers for :class:`NVFP4Linear`, and mixture-of-experts modules for :class:`NVFP4GroupedExperts`
-and :class:`NVFP4HFExperts`), :class:`NVFP4Tensor` (the quantized tensor subclass), and the
-inspection helpers :func:`summary`, :func:`tensor_stats` and :func:`capture`, and
-:func:`cached_weights` (quantize each weight once for evaluation and generation). The typed pieces
-below them: :class:`QuantSpec` and :class:`GemmRole` (``spec``), :class:`NVFP4Operand`
-(``operand``), the backends (``backends``) and the Triton kernels (``kernels``).
+layers for :class:`NVFP4Linear`, transformers' ``Conv1D`` for :class:`NVFP4Conv1D`, and
+mixture-of-experts modules for :class:`NVFP4GroupedExperts` and :class:`NVFP4HFExperts`),
+:class:`NVFP4Tensor` (the quantized tensor subclass), and the inspection helpers :func:`summary`,
+:func:`tensor_stats` and :func:`capture`, and :func:`cached_weights` (quantize each weight once
+for evaluation and generation). The typed pieces below them: :class:`QuantSpec` and
+:class:`GemmRole` (``spec``), :class:`NVFP4Operand` (``operand``), the backends (``backends``)
+and the Triton kernels (``kernels``).
 """
 
 import logging
@@ -53,6 +54,7 @@ def _import_torchao_quietly() -> None:
 _import_torchao_quietly()
 
 from .api import dequantize_, quantize_  # noqa: E402
+from .conv1d import NVFP4Conv1D  # noqa: E402
 from .inspect import capture, summary, tensor_stats  # noqa: E402
 from .layer import cached_weights  # noqa: E402
 from .linear import NVFP4Linear  # noqa: E402
@@ -62,6 +64,6 @@ from .recipe import NVFP4Recipe  # noqa: E402
 from .spec import GemmRole, QuantSpec  # noqa: E402
 from .tensor import NVFP4Tensor  # noqa: E402
 
-__all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "NVFP4GroupedExperts", "NVFP4HFExperts",
-           "NVFP4Operand", "QuantSpec", "GemmRole", "quantize_", "dequantize_", "summary",
-           "tensor_stats", "capture", "cached_weights"]
+__all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "NVFP4Conv1D", "NVFP4GroupedExperts",
+           "NVFP4HFExperts", "NVFP4Operand", "QuantSpec", "GemmRole", "quantize_", "dequantize_",
+           "summary", "tensor_stats", "capture", "cached_weights"]

@@ -1,14 +1,17 @@
-"""``quantize_(model, NVFP4Recipe())``: swap nn.Linear layers for NVFP4Linear, in place, and the
-mixture-of-experts modules ``moe`` knows for their NVFP4 versions.
+"""``quantize_(model, NVFP4Recipe())``: swap nn.Linear layers for NVFP4Linear (and transformers'
+``Conv1D`` for NVFP4Conv1D), in place, and the mixture-of-experts modules ``moe`` knows for their
+NVFP4 versions.
 
 :func:`quantize_` here applies the recipe's layer filter (fully qualified name patterns, first/last
-layers, feature counts not multiples of 16), logs every skipped layer by name and gives each layer
-its own SR stream, derived from its name. The swap is also registered with torchao's
+layers, feature counts not multiples of 16, dtypes), says in one log line which modules it kept in
+high precision and why (a WARNING when any is) and gives each layer its own SR stream, derived
+from its name. The swap is also registered with torchao's
 ``quantize_``, whose handler is called with a module and the recipe only (torchao 0.18: no name,
 no model): through that entry point a recipe that needs the layer names (``keep_bf16``,
 ``keep_first_last``, ``stochastic_rounding``) raises a ValueError that points here.
 """
 
+import difflib
 import fnmatch
 import logging
 import zlib
@@ -20,13 +23,16 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 
 from . import moe
 from .backends import get_backend
+from .conv1d import NVFP4Conv1D, features, is_conv1d
 from .formats import BLOCK
+from .layer import NVFP4Module
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
 
 log = logging.getLogger("nvfp4_recipe")
 
-__all__ = ["quantize_", "skip_reasons", "dequantize_"]
+__all__ = ["quantize_", "skip_reasons", "dequantize_", "linear_layers", "nvfp4_counts",
+           "check_module"]
 
 
 def _layer_seed(fqn: str) -> int:
@@ -34,12 +40,34 @@ def _layer_seed(fqn: str) -> int:
     return zlib.crc32(fqn.encode())
 
 
-def _shape_problem(module: nn.Linear) -> Optional[str]:
-    for name in ("in_features", "out_features"):
-        n = getattr(module, name)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _shape_problem(module: nn.Module) -> Optional[str]:
+    for name, n in zip(("in_features", "out_features"), features(module)):
         if n <= 0 or n % BLOCK:
             return f"{name}={n} is not a positive multiple of {BLOCK}"
     return None
+
+
+def _dtype_problem(module: nn.Module) -> Optional[str]:
+    dtype = next((p.dtype for p in module.parameters(recurse=False)
+                  if p.is_floating_point() and p.dtype not in _DTYPES), None)
+    if dtype is None:
+        return None
+    return f"{str(dtype).replace('torch.', '')} parameters (NVFP4 layers take bfloat16, float16 or " \
+           f"float32)"
+
+
+def _layer_problem(module: nn.Module) -> Optional[str]:
+    """Why a linear layer cannot run in NVFP4 (None if it can)."""
+    return _shape_problem(module) or _dtype_problem(module)
+
+
+def check_module(caller: str, model: object) -> None:
+    """Raises TypeError, naming ``caller``, when ``model`` is not an nn.Module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller} takes an nn.Module as model, got {type(model).__name__}")
 
 
 def _check_backend(recipe: NVFP4Recipe, device: torch.device) -> None:
@@ -86,7 +114,7 @@ def _torchao_handler(module: nn.Module, recipe: NVFP4Recipe) -> nn.Module:
         return module
     if not isinstance(module, nn.Linear):
         return module
-    problem = _shape_problem(module)
+    problem = _layer_problem(module)
     if problem is not None:
         log.info("nvfp4: keeping an nn.Linear(%d, %d) in high precision: %s (torchao's quantize_ "
                  "passes no layer names; nvfp4_recipe.quantize_ logs them)",
@@ -96,26 +124,56 @@ def _torchao_handler(module: nn.Module, recipe: NVFP4Recipe) -> nn.Module:
     return NVFP4Linear.from_linear(module, recipe)
 
 
-def _linears(model: nn.Module) -> Dict[str, nn.Linear]:
-    """fqn -> module of every nn.Linear (NVFP4Linear included) in ``model``, in module order."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+def linear_layers(model: nn.Module) -> Dict[str, nn.Module]:
+    """fqn -> module of every linear layer of ``model`` in module order: nn.Linear (NVFP4Linear
+    and NVFP4Conv1D included) and transformers' ``Conv1D`` (:func:`conv1d.is_conv1d`)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
 
 
-def skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
-    """For each nn.Linear and each experts module (``moe.experts_modules``) that ``quantize_``
-    would leave in high precision: fqn -> the reason.
+def _other_weights(model: nn.Module, layers: Dict[str, nn.Module]) -> Dict[str, str]:
+    """fqn -> why, for the modules other than ``layers`` (and embeddings) that hold a matmul-sized
+    weight (2 or more dims, at least 16 rows and 16 elements a row) quantize_ does not convert."""
+    known = {id(m) for m in layers.values()}
+    reasons = {}
+    for fqn, m in model.named_modules():
+        if id(m) in known or isinstance(m, (nn.Embedding, nn.EmbeddingBag, NVFP4Module)):
+            continue
+        big = [name for name, p in m.named_parameters(recurse=False)
+               if p.dim() >= 2 and min(p.shape[0], p[0].numel()) >= BLOCK]
+        if big:
+            reasons[fqn] = f"{type(m).__name__} holding {', '.join(big)}: a layer type quantize_ " \
+                           f"does not convert"
+    return reasons
 
-    The first/last ``recipe.keep_first_last`` layers are counted among all linear layers, NVFP4Linear
+
+def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
+                 filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Dict[str, str]:
+    """fqn -> the reason, for each module that ``quantize_(model, recipe, filter_fn)`` would leave
+    in high precision: linear layers (:func:`linear_layers`) and experts modules
+    (``moe.experts_modules``) it cannot or may not convert, and the other modules that hold
+    matmul-sized weights of a type it does not convert (e.g. nn.MultiheadAttention's
+    ``in_proj_weight``, convolutions). The fqn of ``model`` itself is "".
+
+    The first/last ``recipe.keep_first_last`` layers are counted among all linear layers, NVFP4
     ones included, so a second ``quantize_`` with the same recipe selects the same layers. The
     routers of MoE layers stay in high precision (``moe.router_ids``).
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
     """
-    linears = _linears(model)
+    check_module("skip_reasons", model)
+    linears = linear_layers(model)
     names: List[str] = list(linears)
     n = recipe.keep_first_last
     edge = set(names[:n] + names[len(names) - n:]) if n else set()
     out_projs = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     routers = moe.router_ids(model)
+    experts = moe.experts_modules(model)
     reasons = moe.experts_skip_reasons(model, recipe)
+    for fqn, module in experts.items():
+        problem = None if isinstance(module, NVFP4Module) else _dtype_problem(module)
+        if fqn not in reasons and problem is not None:
+            reasons[fqn] = problem
     for fqn, module in linears.items():
         if isinstance(module, NVFP4Linear):
             continue
@@ -128,25 +186,78 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
             reasons[fqn] = "out_proj of an nn.MultiheadAttention, which uses its weight, not its forward"
         elif id(module) in routers:
             reasons[fqn] = "the router of an MoE layer (routing stays in high precision)"
-        else:
-            problem = _shape_problem(module)
-            if problem is not None:
-                reasons[fqn] = problem
+        elif _layer_problem(module) is not None:
+            reasons[fqn] = _layer_problem(module)
+    if filter_fn is not None:
+        for fqn, module in {**linears, **experts}.items():
+            if not (fqn in reasons or isinstance(module, NVFP4Module) or filter_fn(module, fqn)):
+                reasons[fqn] = "filter_fn returned False"
+    reasons.update(_other_weights(model, {**linears, **experts}))
     return reasons
+
+
+def nvfp4_counts(model: nn.Module) -> str:
+    """"k of n linear layers [and i of j experts modules] in NVFP4" for ``model``."""
+    linears, experts = linear_layers(model).values(), moe.experts_modules(model).values()
+    text = f"{sum(isinstance(m, NVFP4Linear) for m in linears)} of {len(linears)} linear layers"
+    if experts:
+        text += f" and {sum(isinstance(m, moe.NVFP4Experts) for m in experts)} of {len(experts)} " \
+                f"experts modules"
+    return text + " in NVFP4"
+
+
+def _unmatched_patterns(recipe: NVFP4Recipe, names: List[str]) -> None:
+    """Warn about each keep_bf16 pattern that matches none of ``names`` (the layers it was meant
+    to keep would silently run in NVFP4)."""
+    for pattern in recipe.keep_bf16:
+        if not fnmatch.filter(names, pattern):
+            near = difflib.get_close_matches(pattern, names, n=3)
+            log.warning("quantize_: keep_bf16 pattern %r matches no layer, so it keeps nothing in "
+                        "high precision%s", pattern,
+                        f" (closest layer names: {', '.join(near)})" if near else "")
+
+
+def _report(model: nn.Module, kept: Dict[str, str]) -> None:
+    """One log line for a quantize_ call: the layers in NVFP4 and those kept in high precision,
+    with why; a WARNING when a layer is kept or nothing is in NVFP4 (else INFO)."""
+    counts = nvfp4_counts(model)
+    text = f"quantize_: {counts}"
+    if kept:
+        text += "; kept in high precision: " + ", ".join(
+            f"{fqn or '(the model)'} ({why})" for fqn, why in kept.items())
+    nothing = not any(isinstance(m, NVFP4Module) for m in model.modules())
+    log.log(logging.WARNING if kept or nothing else logging.INFO, text)
+
+
+def _convert(module: nn.Module, recipe: NVFP4Recipe, fqn: str) -> nn.Module:
+    seed = _layer_seed(fqn)
+    if is_conv1d(module):
+        return NVFP4Conv1D(module, recipe, seed)
+    if isinstance(module, nn.Linear):
+        return NVFP4Linear.from_linear(module, recipe, seed)
+    return moe.convert_experts(module, recipe, seed)
 
 
 def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
               filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Swap the model's eligible nn.Linear layers for NVFP4Linear in place; returns the model.
+    """Swap the model's eligible linear layers for NVFP4 ones in place; returns the model.
 
-    Eligible: an nn.Linear whose in/out features are positive multiples of 16, whose fully
-    qualified name matches none of ``recipe.keep_bf16`` and that is not among the first/last
-    ``recipe.keep_first_last`` linear layers nor an MoE router, and (if given) for which
-    ``filter_fn(module, fqn)`` is True; and likewise each experts module ``moe`` knows
+    Eligible: an nn.Linear (becomes an NVFP4Linear) or a transformers ``Conv1D`` (GPT-2's
+    projections; becomes an :class:`conv1d.NVFP4Conv1D`, its (in, out) weight unchanged) with
+    bfloat16, float16 or float32 parameters, whose in/out features are positive multiples of 16,
+    whose fully qualified name matches none of ``recipe.keep_bf16`` and that is not among the
+    first/last ``recipe.keep_first_last`` linear layers nor an MoE router, and (if given) for
+    which ``filter_fn(module, fqn)`` is True; and likewise each experts module ``moe`` knows
     (torchtitan's ``GroupedExperts``, Hugging Face's batched experts; ``moe.register_experts``),
-    which becomes an ``moe.NVFP4Experts``. Each skipped layer is logged at INFO with its name and
-    reason (see :func:`skip_reasons`). The weight and bias Parameters are kept (an optimizer built before the
-    swap still updates them); each layer gets its own SR stream from ``recipe.seed`` and its name.
+    which becomes an ``moe.NVFP4Experts``. The weight and bias Parameters are kept (an optimizer
+    built before the swap still updates them); each layer gets its own SR stream from
+    ``recipe.seed`` and its name.
+
+    It logs one line: how many layers are in NVFP4 and each module kept in high precision with
+    why (see :func:`skip_reasons`), at WARNING when a module is kept or nothing is in NVFP4, at
+    INFO otherwise; and a WARNING for each ``keep_bf16`` pattern that matches no layer. The
+    reasons stay on the returned module as ``nvfp4_kept`` ({fqn: reason}), which ``summary``
+    shows.
 
     ``model`` may itself be an nn.Linear: it cannot be swapped in place, so the NVFP4Linear is
     returned; use the return value (``layer = quantize_(layer)``), as with torchao's ``quantize_``.
@@ -155,44 +266,53 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
     state included); with another recipe it raises: ``dequantize_`` the model first.
 
     Raises:
-        TypeError: ``recipe`` is not an NVFP4Recipe.
-        ValueError: the model has NVFP4Linear layers under another recipe; ``recipe.backend``
+        TypeError: ``model`` is not an nn.Module; ``recipe`` is not an NVFP4Recipe; ``filter_fn``
+            is not callable.
+        ValueError: the model has NVFP4 layers under another recipe; ``recipe.backend``
             cannot run on the device of a layer to convert. Nothing is swapped then.
     """
+    check_module("quantize_", model)
     recipe = NVFP4Recipe() if recipe is None else recipe
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"quantize_ takes an NVFP4Recipe, got {type(recipe).__name__}")
-    layers = {**_linears(model), **moe.experts_modules(model)}
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"quantize_: filter_fn must be None or a callable (module, fqn) -> bool, "
+                        f"got {type(filter_fn).__name__}")
+    layers = {**linear_layers(model), **moe.experts_modules(model)}
     for fqn, module in layers.items():
-        if isinstance(module, (NVFP4Linear, moe.NVFP4Experts)):
+        if isinstance(module, NVFP4Module):
             _check_same_recipe(fqn, module, recipe)
-    skipped = skip_reasons(model, recipe)
-    for fqn, why in skipped.items():
-        log.info("nvfp4: keeping %s in high precision: %s", fqn or "(the model)", why)
+    kept = skip_reasons(model, recipe, filter_fn)
     targets = {fqn: m for fqn, m in layers.items()
-               if not isinstance(m, (NVFP4Linear, moe.NVFP4Experts)) and fqn not in skipped
-               and (filter_fn is None or filter_fn(m, fqn))}
+               if not isinstance(m, NVFP4Module) and fqn not in kept}
     for device in {next(m.parameters()).device for m in targets.values()}:
         _check_backend(recipe, device)
-    swapped = {id(m): NVFP4Linear.from_linear(m, recipe, _layer_seed(fqn)) if isinstance(m, nn.Linear)
-               else moe.convert_experts(m, recipe, _layer_seed(fqn)) for fqn, m in targets.items()}
-    if id(model) in swapped:
-        return swapped[id(model)]
+    _unmatched_patterns(recipe, list(layers))
+    swapped = {id(m): _convert(m, recipe, fqn) for fqn, m in targets.items()}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in swapped:  # every place a shared module appears gets the same layer
                 setattr(parent, name, swapped[id(child)])
+    model = swapped.get(id(model), model)
+    model.nvfp4_kept = kept
+    _report(model, kept)
     return model
 
 
 def dequantize_(model: nn.Module) -> nn.Module:
-    """Swap every NVFP4Linear back to a plain nn.Linear and every NVFP4 experts module back to the
-    module it was made from (same Parameters), in place; returns the model (the high-precision
-    module when ``model`` is itself an NVFP4 one)."""
-    if isinstance(model, (NVFP4Linear, moe.NVFP4Experts)):
+    """Swap every NVFP4Linear back to a plain nn.Linear, and every NVFP4Conv1D and NVFP4 experts
+    module back to the module it was made from (same Parameters), in place; returns the model (the
+    high-precision module when ``model`` is itself an NVFP4 one).
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+    """
+    check_module("dequantize_", model)
+    model.__dict__.pop("nvfp4_kept", None)
+    if isinstance(model, NVFP4Module):
         return _high_precision(model)
     for name, child in list(model.named_children()):
-        if isinstance(child, (NVFP4Linear, moe.NVFP4Experts)):
+        if isinstance(child, NVFP4Module):
             setattr(model, name, _high_precision(child))
         else:
             dequantize_(child)
@@ -200,4 +320,4 @@ def dequantize_(model: nn.Module) -> nn.Module:
 
 
 def _high_precision(layer: nn.Module) -> nn.Module:
-    return layer.to_linear() if isinstance(layer, NVFP4Linear) else layer.high_precision()
+    return layer.high_precision() if hasattr(layer, "high_precision") else layer.to_linear()

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from . import reference as R
+from .api import check_module, linear_layers, nvfp4_counts, skip_reasons
+from .conv1d import features
 from .formats import E2M1_GRID, unpack_nibbles
 from .layer import NVFP4Module
 from .linear import NVFP4Linear
@@ -21,32 +23,43 @@ E2M1_MAX_CODE = len(E2M1_GRID) - 1  # the magnitude code of 6
 # A block scale rounded to E4M3 (3 mantissa bits) may sit up to 2**-4 below block_amax / 6, which
 # clips the block's largest values by as much; saturation is counted beyond that.
 _SATURATION_MARGIN = 1 / 8
+_ROLES = {*GemmRole, *(r.value for r in GemmRole)}
 
 
 def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
-    """A table of the model's linear layers: fqn, shape, NVFP4 or high precision, and why.
+    """A table of the model's linear layers (nn.Linear and transformers' Conv1D): fqn, shape,
+    NVFP4 or the dtype they run in, and why; then the other modules left in high precision (experts
+    modules, layer types ``quantize_`` does not convert) with why; then the counts.
 
-    ``recipe`` (optional) explains skipped layers with that recipe's filter; without it, layers that
-    are plain nn.Linear are listed as "high precision".
+    The reasons are those ``quantize_`` found (the ``nvfp4_kept`` it sets on the model) or, with
+    ``recipe``, that recipe's filter applied to the model as it is now (``api.skip_reasons``).
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
     """
-    from .api import skip_reasons
-
-    reasons = skip_reasons(model, recipe) if recipe is not None else {}
+    check_module("summary", model)
+    reasons = skip_reasons(model, recipe) if recipe is not None else getattr(model, "nvfp4_kept", {})
+    linears = linear_layers(model)
+    modules = dict(model.named_modules())
     rows = [("layer", "in x out", "precision", "note")]
-    for fqn, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
-        shape = f"{m.in_features} x {m.out_features}"
+    for fqn, m in linears.items():
+        shape = " x ".join(map(str, features(m)))
         if isinstance(m, NVFP4Linear):
             rows.append((fqn, shape, "nvfp4", m.extra_repr().split("recipe=")[1]))
         else:
-            rows.append((fqn, shape, str(m.weight.dtype).replace("torch.", ""), reasons.get(fqn, "")))
-    n_fp4 = sum(r[2] == "nvfp4" for r in rows[1:])
+            rows.append((fqn, shape, _dtype(m), reasons.get(fqn, "")))
+    rows += [(fqn, "", _dtype(modules[fqn]), why) for fqn, why in reasons.items()
+             if fqn not in linears and fqn in modules]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"{n_fp4} of {len(rows) - 1} linear layers in NVFP4")
+    lines.append(nvfp4_counts(model))
     return "\n".join(lines)
+
+
+def _dtype(module: nn.Module) -> str:
+    p = next(module.parameters(recurse=False), None)
+    return "" if p is None else str(p.dtype).replace("torch.", "")
 
 
 @contextlib.contextmanager
@@ -101,8 +114,10 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
     Returns:
         dict with
         ``sqnr_db``: 10 log10(|x|^2 / |x - deq(q(x))|^2), summed in float64 (finite for any finite
-            fp32 input; inf only when the quantization is exact), in the RHT domain when the RHT is
-            on;
+            fp32 input; inf only when the quantization is exact; nan when x has a NaN or Inf), in
+            the RHT domain when the RHT is on;
+        ``non_finite``: the number of NaN and Inf elements of x (they make the outer scale and
+            every dequantized value non-finite, spec item 9);
         ``flushed_to_zero``: fraction of the nonzero inputs that dequantize to 0 (small values in a
             block with a large amax, or whole blocks whose E4M3 scale is too small);
         ``saturated``: fraction of the elements clipped by the E2M1 range: quantized to the largest
@@ -113,9 +128,15 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
         ``scale_histogram``: counts of the exponents of the nonzero block scales, {exponent: count};
         ``amax`` and ``outer_scale`` (float or tensor).
     Raises:
-        TypeError, ValueError: as ``reference.quantize``; ValueError for an empty ``x``;
-            TypeError for a ``spec`` of another type.
+        TypeError, ValueError: as ``reference.quantize``; ValueError for an empty ``x`` or a
+            ``role`` that is not a GemmRole nor one's value; TypeError for an ``x`` that is not a
+            tensor or a ``spec`` of another type.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"tensor_stats takes a torch.Tensor as x, got {type(x).__name__}")
+    if role not in _ROLES:
+        raise ValueError(f"tensor_stats: unknown role {role!r}; expected a GemmRole or one of "
+                         f"{[r.value for r in GemmRole]}")
     if x.numel() == 0:
         raise ValueError("tensor_stats: x has no elements")
     if isinstance(spec, NVFP4Recipe):
@@ -133,7 +154,13 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
     ref64, deq64 = ref.double(), deq.double()
     err = (ref64 - deq64).square().sum().item()
     sig = ref64.square().sum().item()
-    sqnr = 10 * math.log10(sig / err) if err > 0 else math.inf
+    non_finite = x.numel() - torch.isfinite(x).sum().item()
+    if non_finite:
+        sqnr = math.nan
+    elif err > 0:
+        sqnr = 10 * math.log10(sig / err)
+    else:
+        sqnr = math.inf
     nonzero = ref != 0
     flushed = ((deq == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1)
     # a block whose scale is 0 puts its values on the largest code too, but it is flushed, not clipped
@@ -144,6 +171,7 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
                                 return_counts=True)
     return {
         "sqnr_db": sqnr,
+        "non_finite": non_finite,
         "flushed_to_zero": flushed,
         "saturated": saturated,
         "zero_scale_blocks": (scale == 0).double().mean().item(),

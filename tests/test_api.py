@@ -171,3 +171,99 @@ def test_tensor_stats_reports_saturation_under_an_underestimated_amax():
     clipped = (x.abs() > 1.125 * deq.abs()) & (deq.abs() == deq.abs().amax())
     assert stats["saturated"] == clipped.double().mean().item() > 0.05
     assert stats["sqnr_db"] < nr.tensor_stats(x)["sqnr_db"]
+
+
+def _quantize_records(caplog, model, recipe=None, **kw):
+    """quantize_ with the log captured: (the returned model, the WARNING records of the call)."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nvfp4_recipe"):
+        out = nr.quantize_(model, recipe, **kw)
+    return out, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_quantize_warns_once_with_the_layers_it_kept_and_why(caplog):
+    """One WARNING line per call: the counts and every module left in high precision with its
+    reason (keep_bf16, a width not a multiple of 16, MultiheadAttention's out_proj and its
+    in_proj_weight); the reasons stay on the model, and summary shows them without the recipe."""
+    model = nn.ModuleDict({"net": Net(), "attn": nn.MultiheadAttention(32, 2)})
+    model, warnings = _quantize_records(caplog, model, nr.NVFP4Recipe(keep_bf16=("net.lm_*",)))
+    assert len(warnings) == 1, warnings
+    line = warnings[0]
+    assert line.startswith("quantize_: 2 of 6 linear layers in NVFP4; kept in high precision: ")
+    for part in ("net.lm_head (matches keep_bf16 pattern 'net.lm_*')",
+                 "net.blocks.2 (out_features=40 is not a positive multiple of 16)",
+                 "attn.out_proj (out_proj of an nn.MultiheadAttention",
+                 "attn (MultiheadAttention holding in_proj_weight"):
+        assert part in line, part
+    assert set(model.nvfp4_kept) == {"net.lm_head", "net.blocks.2", "net.blocks.3",
+                                     "attn.out_proj", "attn"}
+    rows = {line.split()[0]: line for line in nr.summary(model).splitlines()[2:]}
+    assert "keep_bf16 pattern 'net.lm_*'" in rows["net.lm_head"]
+    assert "in_proj_weight" in rows["attn"]
+    assert nr.summary(model).endswith("2 of 6 linear layers in NVFP4")
+
+
+def test_quantize_says_when_nothing_or_everything_is_converted(caplog):
+    _, warnings = _quantize_records(caplog, nn.Sequential(nn.Linear(24, 24)))
+    assert warnings == ["quantize_: 0 of 1 linear layers in NVFP4; kept in high precision: "
+                        "0 (in_features=24 is not a positive multiple of 16)"]
+    _, warnings = _quantize_records(caplog, nn.Sequential(nn.ReLU()))
+    assert warnings == ["quantize_: 0 of 0 linear layers in NVFP4"]
+    model, warnings = _quantize_records(caplog, nn.Sequential(nn.Linear(32, 32)))
+    assert warnings == [] and "quantize_: 1 of 1 linear layers in NVFP4" in caplog.text
+    assert model.nvfp4_kept == {}
+    model, warnings = _quantize_records(caplog, Net(), filter_fn=lambda m, fqn: fqn != "embed")
+    assert "embed (filter_fn returned False)" in warnings[0] and type(model.embed) is nn.Linear
+    assert "nvfp4_kept" not in vars(nr.dequantize_(model))
+
+
+def test_keep_bf16_pattern_that_matches_no_layer_is_named(caplog):
+    """A misspelled pattern would quantize the layer it was meant to protect: it is named in a
+    WARNING with the closest layer names."""
+    model, warnings = _quantize_records(caplog, Net(), nr.NVFP4Recipe(keep_bf16=("lm-head", "embed")))
+    assert type(model.lm_head) is nr.NVFP4Linear and type(model.embed) is nn.Linear
+    assert any("'lm-head' matches no layer" in w and "lm_head" in w for w in warnings), warnings
+    assert not any("'embed' matches no layer" in w for w in warnings)
+
+
+def test_float64_layers_stay_in_high_precision_with_the_reason(caplog):
+    """A float64 layer would fail at its first forward in NVFP4: quantize_ keeps it, says why,
+    and the model runs."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32).double())
+    model, warnings = _quantize_records(caplog, model)
+    assert type(model[0]) is nr.NVFP4Linear and type(model[1]) is nn.Linear
+    assert "1 (float64 parameters (NVFP4 layers take bfloat16, float16 or float32))" in warnings[0]
+    x = torch.randn(16, 32)
+    y = model[1](model[0](x).double())
+    assert y.dtype == torch.float64 and torch.isfinite(y).all()
+
+
+def test_wrong_argument_types_are_named():
+    x = torch.randn(16, 16)
+    with pytest.raises(TypeError, match="quantize_ takes an nn.Module as model, got Tensor"):
+        nr.quantize_(x, nr.NVFP4Recipe())
+    model = Net()
+    with pytest.raises(TypeError, match="filter_fn must be None or a callable.*got str"):
+        nr.quantize_(model, nr.NVFP4Recipe(), filter_fn="2")
+    assert "NVFP4Linear" not in kinds(model).values()
+    with pytest.raises(TypeError, match="summary takes an nn.Module as model, got Tensor"):
+        nr.summary(x)
+    with pytest.raises(TypeError, match="dequantize_ takes an nn.Module as model, got Tensor"):
+        nr.dequantize_(x)
+    with pytest.raises(TypeError, match="tensor_stats takes a torch.Tensor as x, got list"):
+        nr.tensor_stats(x.tolist())
+    for spec in (None, nr.QuantSpec(), nr.NVFP4Recipe()):
+        with pytest.raises(ValueError, match=r"role 'foo'.*\['x_fprop', 'w_fprop'"):
+            nr.tensor_stats(x, spec, "foo")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_tensor_stats_reports_non_finite_input(bad):
+    """NaN or Inf makes the quantization non-finite (spec item 9): SQNR is nan, not the inf of an
+    exact quantization, and the non-finite elements are counted."""
+    x = torch.randn(32, 64)
+    assert nr.tensor_stats(x)["non_finite"] == 0 and math.isfinite(nr.tensor_stats(x)["sqnr_db"])
+    idx = torch.randperm(x.numel())[:3]
+    x.view(-1)[idx] = bad
+    stats = nr.tensor_stats(x)
+    assert math.isnan(stats["sqnr_db"]) and stats["non_finite"] == 3

@@ -539,3 +539,74 @@ def test_input_and_bias_dtypes_follow_nn_linear():
                                            "got torch.float64 and torch.float32"):
         layer(x)
 
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D as transformers defines it (GPT-2's projections: y = x @ W + b, W of
+    shape (nx, nf)), without importing transformers."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx ** 0.5)
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_conv1d_trains_as_nvfp4linear_on_its_transposed_weight(backend, weight_2d):
+    """quantize_ makes a Conv1D an NVFP4Conv1D on the same (in, out) Parameter; its forward and
+    backward, two steps (the SR stream advances), equal those of an NVFP4Linear holding W^T bit
+    for bit: the transposed view quantizes as the contiguous W^T on both backends."""
+    recipe = NVFP4Recipe(backend=backend, weight_2d=weight_2d)
+    conv = Conv1D(48, 32)
+    layer = quantize_(nn.Sequential(conv), recipe)[0]
+    assert type(layer) is nr.NVFP4Conv1D and layer.weight is conv.weight
+    assert layer.weight.shape == (32, 48) and (layer.in_features, layer.out_features) == (32, 48)
+    twin = NVFP4Linear(32, 48, recipe=recipe, layer_seed=layer.layer_seed)
+    with torch.no_grad():
+        twin.weight.copy_(conv.weight.t())
+        twin.bias.copy_(conv.bias)
+    for _ in range(2):
+        x, dy = torch.randn(2, 16, 32), torch.randn(2, 16, 48)
+        got = []
+        for m in (layer, twin):
+            m.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            y.backward(dy)
+            got.append((y, xi.grad, m.weight.grad, m.bias.grad))
+        (y, dx, dw, db), (y2, dx2, dw2, db2) = got
+        assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(db, db2)
+        assert dw.shape == (32, 48) and torch.equal(dw, dw2.t())
+        assert rel(y, conv(x).double()) < 0.2  # NVFP4's error, not another layout's
+    assert torch.equal(layer.quantized_weight().qdata, twin.quantized_weight().qdata)
+
+
+def test_conv1d_keeps_its_checkpoint_layout_caches_its_weight_and_comes_back(monkeypatch):
+    """The state dict keeps the Conv1D's keys and (in, out) shapes (plus the recipe buffers);
+    cached_weights quantizes the weight once per version; summary counts the layer; dequantize_
+    gives back the Conv1D with the same Parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(64, 32))
+    conv, weight = model[0], model[0].weight
+    x = torch.randn(5, 32)
+    quantize_(model)
+    state = model.state_dict()
+    assert state["0.weight"].shape == (32, 64)
+    plain = nn.Sequential(Conv1D(64, 32))
+    assert set(plain.load_state_dict(state, strict=False).unexpected_keys) == \
+        {"0.rht_signs", "0.sr_seed", "0.sr_step"}
+    assert torch.equal(plain[0].weight, weight)
+    assert "1 of 1 linear layers in NVFP4" in nr.summary(model)
+    assert "32 x 64" in nr.summary(model).splitlines()[2]
+    with torch.no_grad():
+        uncached = model(x)
+    calls = _spy_weight_quantizations(monkeypatch, model[0])
+    with torch.no_grad(), nr.cached_weights():
+        assert torch.equal(model(x), uncached) and torch.equal(model(x), uncached)
+    assert len(calls) == 1
+    back = dequantize_(model)[0]
+    assert back is conv and back.weight is weight and type(back) is Conv1D

@@ -1,0 +1,105 @@
+"""NVFP4Conv1D: transformers' ``Conv1D`` (the projections of GPT-2 and the other OpenAI-GPT-style
+models: ``y = x @ W + b`` with W of shape (in, out)) trained in NVFP4.
+
+It is an :class:`NVFP4Linear` whose forward runs the layer algorithm on ``W^T``, a view of the
+(in, out) Parameter, which keeps its shape and name, so checkpoints (``save_pretrained``,
+``load_state_dict``) are those of the Conv1D. With 2D (16x16) weight blocks, W and W^T quantize to
+the same values, transposed; with 1D blocks, W^T is quantized along ``in``, the GEMM's reduction
+dimension, as NVFP4Linear quantizes its weight.
+
+transformers is not imported: a Conv1D is recognized by its class name and attributes
+(:func:`is_conv1d`).
+"""
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .backends import get_backend
+from .layer import backend_name
+from .linear import NVFP4Linear
+from .operand import NVFP4Operand
+from .recipe import NVFP4Recipe
+from .spec import GemmRole
+from .tensor import NVFP4Tensor
+
+__all__ = ["NVFP4Conv1D", "is_conv1d", "features"]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers-style ``Conv1D``: class name ``Conv1D``, ints ``nx``
+    (in) and ``nf`` (out), and a ``weight`` Parameter of shape (nx, nf)."""
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter)
+            and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def features(module: nn.Module) -> Tuple[int, int]:
+    """(in, out) features of an nn.Linear or a Conv1D."""
+    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features,
+                                                              module.out_features)
+
+
+class NVFP4Conv1D(NVFP4Linear):
+    """A transformers ``Conv1D`` trained with all three GEMMs in NVFP4 (see the module docstring).
+
+    Input (..., in) -> output (..., out), as the Conv1D; ``weight`` (in, out) and ``bias`` (out,)
+    are the Conv1D's Parameters (an optimizer built before the swap still updates them), and
+    ``nx``, ``nf``, ``in_features``, ``out_features`` its sizes. Buffers, training and inference:
+    as :class:`NVFP4Linear`. Not tensor parallel.
+
+    Raises:
+        ValueError: in or out not a positive multiple of 16 (at construction); as NVFP4Linear in
+            forward.
+    """
+
+    def __init__(self, conv1d: nn.Module, recipe: Optional[NVFP4Recipe] = None,
+                 layer_seed: int = 0):
+        """Wrap ``conv1d`` (:func:`is_conv1d`), sharing its Parameters; :meth:`high_precision`
+        gives it back."""
+        nx, nf = conv1d.weight.shape
+        super().__init__(nx, nf, conv1d.bias is not None, device="meta", recipe=recipe,
+                         layer_seed=layer_seed)
+        self.nx, self.nf = nx, nf
+        self.weight, self.bias = conv1d.weight, conv1d.bias
+        self._init_nvfp4(recipe, layer_seed, conv1d.weight.device)
+        object.__setattr__(self, "_original", conv1d)  # not a submodule: no second state dict entry
+        self.train(conv1d.training)
+
+    def reset_parameters(self) -> None:
+        """transformers' Conv1D initialization (weight normal with std 0.02, bias zeros), and
+        :meth:`reset_recipe_buffers`."""
+        nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        if "sr_step" in self._buffers:  # nn.Linear.__init__ calls this before the buffers exist
+            self.reset_recipe_buffers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local_forward(x, self.weight.t(), self.bias)
+
+    def cached_operand(self, name: str, weight: torch.Tensor, backend: str,
+                       make: Callable[[], NVFP4Operand]) -> Optional[NVFP4Operand]:
+        # ``weight`` is this forward's W^T, a new view every call: the cache is keyed by the
+        # Parameter, whose version counter the view shares
+        return super().cached_operand(name, self.weight, backend, make)
+
+    def quantized_weight(self) -> NVFP4Tensor:
+        """W^T as fprop quantizes it, an :class:`NVFP4Tensor` of shape (out, in)."""
+        backend = backend_name(self.recipe.backend.value, self.weight.device)
+        spec = self.recipe.spec(GemmRole.W_FPROP)
+        with torch.no_grad():
+            op = get_backend(backend, self.weight.device).quantize(self.weight.t(), spec)
+        return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
+
+    def high_precision(self) -> nn.Module:
+        """The Conv1D this layer was made from, holding this layer's Parameters."""
+        self._original.weight, self._original.bias = self.weight, self.bias
+        self._original.train(self.training)
+        return self._original
+
+    def to_linear(self) -> nn.Linear:
+        """Raises TypeError: the (in, out) weight is no nn.Linear's; use :meth:`high_precision`."""
+        raise TypeError("an NVFP4Conv1D's weight is (in, out), not an nn.Linear's; "
+                        "high_precision() gives the Conv1D it was made from")
