@@ -130,16 +130,22 @@ def linear_layers(model: nn.Module) -> Dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
 
 
+# module types whose forward multiplies by their weights, which quantize_ does not convert
+_MATMUL_MODULES = (nn.MultiheadAttention, nn.modules.conv._ConvNd, nn.Bilinear)
+
+
 def _other_weights(model: nn.Module, layers: Dict[str, nn.Module]) -> Dict[str, str]:
-    """fqn -> why, for the modules other than ``layers`` (and embeddings) that hold a matmul-sized
-    weight (2 or more dims, at least 16 rows and 16 elements a row) quantize_ does not convert."""
+    """fqn -> why, for the modules other than ``layers`` whose weights feed a matmul that
+    quantize_ does not convert: nn.MultiheadAttention's in_proj, convolutions, nn.Bilinear, and
+    modules holding 3-D parameters (experts of a layout ``moe`` does not know). Parameters such as
+    a positional embedding held by a model are not matmul weights and are not listed."""
     known = {id(m) for m in layers.values()}
     reasons = {}
     for fqn, m in model.named_modules():
-        if id(m) in known or isinstance(m, (nn.Embedding, nn.EmbeddingBag, NVFP4Module)):
+        if id(m) in known or isinstance(m, NVFP4Module):
             continue
         big = [name for name, p in m.named_parameters(recurse=False)
-               if p.dim() >= 2 and min(p.shape[0], p[0].numel()) >= BLOCK]
+               if (p.dim() >= 2 and isinstance(m, _MATMUL_MODULES)) or p.dim() == 3]
         if big:
             reasons[fqn] = f"{type(m).__name__} holding {', '.join(big)}: a layer type quantize_ " \
                            f"does not convert"

@@ -203,6 +203,21 @@ def test_quantize_warns_once_with_the_layers_it_kept_and_why(caplog):
     assert nr.summary(model).endswith("2 of 6 linear layers in NVFP4")
 
 
+def test_quantize_names_unconverted_matmul_layers_not_other_parameters(caplog):
+    """A convolution's weight feeds a matmul quantize_ does not convert: it is named. A model's
+    own positional-embedding parameter (2-D, matmul-sized) is no layer: it is not."""
+    class WithPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.zeros(64, 32))
+            self.conv = nn.Conv1d(32, 32, 3)
+            self.fc = nn.Linear(32, 32)
+
+    model, warnings = _quantize_records(caplog, WithPositions())
+    assert len(warnings) == 1 and "conv (Conv1d holding weight" in warnings[0]
+    assert set(model.nvfp4_kept) == {"conv"}
+
+
 def test_quantize_says_when_nothing_or_everything_is_converted(caplog):
     _, warnings = _quantize_records(caplog, nn.Sequential(nn.Linear(24, 24)))
     assert warnings == ["quantize_: 0 of 1 linear layers in NVFP4; kept in high precision: "
