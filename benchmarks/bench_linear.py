@@ -38,8 +38,12 @@ def bench(fn) -> float:
 
 
 def fwd_bwd(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """fwd + bwd under bf16 autocast, as training runs a layer with fp32 master weights on bf16
+    activations (the bf16 nn.Linear's dtypes match already)."""
     def step():
-        layer(x).backward(dy)
+        with torch.autocast("cuda", torch.bfloat16):
+            y = layer(x)
+        y.backward(dy)
     return step
 
 
@@ -194,7 +198,7 @@ def eval_times(shape: str) -> dict:
     linear = nn.Linear(k, n, device="cuda")
     bf16 = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     layer = NVFP4Linear.from_linear(linear, RECIPES["default"])
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         times = {"bf16": bench(lambda: bf16(x)), "nvfp4": bench(lambda: layer(x))}
         uncached = layer(x)
         with cached_weights():

@@ -116,14 +116,6 @@ def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                                f"input and the bias take the weight's dtype)")
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype nn.Linear would return: the autocast dtype when autocast is on, else x.dtype."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
 class _NVFP4LinearFn(torch.autograd.Function):
     """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (:func:`linear_fprop`,
     :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
@@ -133,10 +125,12 @@ class _NVFP4LinearFn(torch.autograd.Function):
                 out_dtype: torch.dtype, sr_rank: int, shard: Optional[TensorParallelShard]):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dw and x.shape[0] % BLOCK:
-            raise ValueError(f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the "
-                             f"number of tokens (product of the input's leading dims) must be a "
-                             f"multiple of {BLOCK}, got {x.shape[0]} (inference under torch.no_grad "
-                             f"takes any number)")
+            raise ValueError(
+                f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the number "
+                f"of tokens (product of the input's leading dims) must be a multiple of {BLOCK}, "
+                f"got {x.shape[0]}. Pad each batch to a multiple of {BLOCK} tokens (Hugging Face: "
+                f"DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of={BLOCK}))"
+                f" or pack sequences; inference under torch.no_grad takes any number")
         y, wt, xt = linear_fprop(resolved(backend), x, weight, bias, recipe, signs, out_dtype,
                                  need_dx, need_dw, shard)
         ctx.recipe, ctx.backend, ctx.sr_rank, ctx.shard = recipe, backend, sr_rank, shard
