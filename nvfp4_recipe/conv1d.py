@@ -11,18 +11,13 @@ transformers is not imported: a Conv1D is recognized by its class name and attri
 (:func:`is_conv1d`).
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-from .backends import get_backend
-from .layer import backend_name
 from .linear import NVFP4Linear
-from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
-from .spec import GemmRole
-from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Conv1D", "is_conv1d", "features"]
 
@@ -76,22 +71,9 @@ class NVFP4Conv1D(NVFP4Linear):
         if "sr_step" in self._buffers:  # nn.Linear.__init__ calls this before the buffers exist
             self.reset_recipe_buffers()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.local_forward(x, self.weight.t(), self.bias)
-
-    def cached_operand(self, name: str, weight: torch.Tensor, backend: str,
-                       make: Callable[[], NVFP4Operand]) -> Optional[NVFP4Operand]:
-        # ``weight`` is this forward's W^T, a new view every call: the cache is keyed by the
-        # Parameter, whose version counter the view shares
-        return super().cached_operand(name, self.weight, backend, make)
-
-    def quantized_weight(self) -> NVFP4Tensor:
-        """W^T as fprop quantizes it, an :class:`NVFP4Tensor` of shape (out, in)."""
-        backend = backend_name(self.recipe.backend.value, self.weight.device)
-        spec = self.recipe.spec(GemmRole.W_FPROP)
-        with torch.no_grad():
-            op = get_backend(backend, self.weight.device).quantize(self.weight.t(), spec)
-        return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
+    def fprop_weight(self) -> torch.Tensor:
+        """W (out, in): the transposed view of the (in, out) Conv1D weight."""
+        return self.weight.t()
 
     def high_precision(self) -> nn.Module:
         """The Conv1D this layer was made from, holding this layer's Parameters."""

@@ -242,7 +242,12 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tensor_parallel(self.weight):
             return tensor_parallel_forward(self, x)
-        return self.local_forward(x, self.weight, self.bias)
+        return self.local_forward(x, self.fprop_weight(), self.bias)
+
+    def fprop_weight(self) -> torch.Tensor:
+        """W (out_features, in_features) as fprop's B operand takes it: the ``weight`` Parameter
+        here; a layer that stores W^T (``conv1d.NVFP4Conv1D``) returns a transposed view."""
+        return self.weight
 
     def local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       shard: Optional[TensorParallelShard] = None) -> torch.Tensor:
@@ -266,8 +271,9 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
                                          local(self.sr_step), self.recipe, backend, y_dtype,
                                          self.sr_rank, shard)
             else:
+                # keyed by the Parameter, whose version counter a transposed view shares
                 w = None if shard is not None else self.cached_operand(
-                    "weight", weight, backend, lambda: resolved(backend).prepare_weight(
+                    "weight", self.weight, backend, lambda: resolved(backend).prepare_weight(
                         weight, self.recipe.spec(GemmRole.W_FPROP), need_t=False)[0])
                 y = linear_fprop(resolved(backend), x2, weight, bias, self.recipe, signs,
                                  y_dtype, False, False, shard, w)[0]
@@ -284,7 +290,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         backend = backend_name(self.recipe.backend.value, self.weight.device)
         spec = self.recipe.spec(GemmRole.W_FPROP)
         with torch.no_grad():
-            op = get_backend(backend, self.weight.device).quantize(self.weight, spec)
+            op = get_backend(backend, self.weight.device).quantize(self.fprop_weight(), spec)
         return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
 
     def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
