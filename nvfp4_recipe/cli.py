@@ -13,12 +13,21 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
+import torch
+
+from .backends import get_backend
 from .spec import BackendName, enum_values
-from .train.presets import PRESETS
-from .train.recipes import DESCRIPTIONS, RECIPES
+from .train import data as D
+from .train.loop import train_run
+from .train.model import TinyLM, count_params
+from .train.parallel import DataParallel
+from .train.presets import PRESETS, preset_config
+from .train.recipes import DESCRIPTIONS, RECIPES, check_recipes, make_recipe
+from .train.report import format_table, plot_curves, write_json
 
 PROG = "nvfp4-recipe"
 DEFAULT_RECIPES = ("bf16", "nvfp4")
@@ -154,7 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_from_args(args):
     """(TrainConfig, max_bytes) from the preset and the options; raises ValueError when invalid."""
-    from .train.presets import preset_config
     cfg = preset_config(args.preset, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                         d_ff=args.d_ff, seq_len=args.seq_len, steps=args.steps,
                         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
@@ -195,7 +203,6 @@ def idle_threads(most: int) -> int:
 
 
 def _device(name: str):
-    import torch
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -209,7 +216,6 @@ def _device(name: str):
 
 def _cpu_has_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls natively on this CPU (AMX / AVX512-BF16); False if unknown."""
-    import torch
     try:
         return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a private op: absent from some builds
@@ -218,7 +224,6 @@ def _cpu_has_bf16() -> bool:
 
 def _precision(name: str, device):
     """(autocast dtype or None, label) for --precision on ``device``."""
-    import torch
     if name == "auto":
         name = "bf16" if device.type == "cuda" or (device.type == "cpu" and _cpu_has_bf16()) else "fp32"
     if name == "bf16":
@@ -227,7 +232,6 @@ def _precision(name: str, device):
 
 
 def _hardware(device) -> str:
-    import torch
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
@@ -243,7 +247,6 @@ def _hardware(device) -> str:
 def _write_outputs(out: str, meta: dict, results, final: bool) -> Optional[str]:
     """Write results.json (always) and, when ``final``, loss_curves.png; returns the plot's path, or
     None when there is none (no finished run, or matplotlib missing: said on stderr)."""
-    from .train.report import plot_curves, write_json
     write_json(os.path.join(out, "results.json"), meta, results)
     if not (final and results):
         return None
@@ -268,7 +271,6 @@ def _check_out(out: str, overwrite: bool) -> None:
         ValueError: ``out`` is a file, cannot be created or written, or holds an earlier run's
             results.json and ``overwrite`` is False.
     """
-    import tempfile
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out}: exists and is not a directory")
     if os.path.exists(os.path.join(out, "results.json")) and not overwrite:
@@ -290,11 +292,6 @@ def _prepare(args):
     Raises:
         ValueError, FileNotFoundError: a bad argument (the message is the one-line error).
     """
-    import torch
-    from .backends import get_backend
-    from .train import data as D
-    from .train.parallel import DataParallel
-    from .train.recipes import check_recipes, make_recipe
     check_recipes(args.recipes)
     cfg, max_bytes = _config_from_args(args)
     if not 0 < args.val_fraction < 1:
@@ -329,8 +326,6 @@ def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str, proces
     """What results.json records about the run besides the runs themselves."""
     from dataclasses import asdict
 
-    import torch
-    from .train.model import TinyLM, count_params
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": " ".join([PROG, *argv]), "preset": args.preset, "device": str(device),
             "hardware": _hardware(device), "processes": processes, "precision": precision,
@@ -371,7 +366,6 @@ def train_command(args, argv: Sequence[str]) -> int:
         raise UsageError(str(e)) from None
     try:
         if parallel is not None and not parallel.is_main:  # trains beside rank 0, silently
-            from .train.loop import train_run
             for name in args.recipes:
                 train_run(name, cfg, batches, device, dtype, progress=False, parallel=parallel)
             return 0
@@ -385,8 +379,6 @@ def train_command(args, argv: Sequence[str]) -> int:
 def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision, out,
                       parallel) -> int:
     """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
-    from .train.loop import train_run
-    from .train.report import format_table
     meta = _meta(args, argv, cfg, corpus, device, precision, 1 if parallel is None else parallel.world)
     _print_header(cfg, corpus, meta, args.recipes)
     results, status = [], 0

@@ -120,8 +120,7 @@ def test_idle_threads_leave_the_busy_cores_out(monkeypatch, cpus, load, most, wa
 
 
 def test_run_threads_default_to_the_idle_cores_and_follow_threads(tmp_path, monkeypatch):
-    from nvfp4_recipe.train import loop
-    monkeypatch.setattr(loop, "train_run", _fake_run)
+    monkeypatch.setattr(cli, "train_run", _fake_run)
     monkeypatch.setattr(os, "getloadavg", lambda: (1000.0, 0.0, 0.0))  # every core busy
     torch.set_num_threads(2)
     status, results = _train(tmp_path / "busy", "--recipes", "bf16")
@@ -155,8 +154,7 @@ def test_module_entry_point_help():
      "nvfp4-recipe train: error: --mode graph needs a CUDA device (CUDA graphs), got cpu"),
 ])
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys, monkeypatch, args, message):
-    from nvfp4_recipe.train import loop
-    monkeypatch.setattr(loop, "train_run", _no_training)
+    monkeypatch.setattr(cli, "train_run", _no_training)
     status, results = _train(tmp_path, *args)
     assert status == cli.EXIT_USAGE
     assert capsys.readouterr().err == message + "\n"
@@ -171,19 +169,17 @@ def test_unavailable_backend_fails_before_any_training(tmp_path, capsys, monkeyp
                                                       without_triton_interpreter):
     """--backend triton on a CPU (without the Triton interpreter the tests use) fails at once,
     not after the bf16 run."""
-    from nvfp4_recipe.train import loop
-    monkeypatch.setattr(loop, "train_run", _no_training)
+    monkeypatch.setattr(cli, "train_run", _no_training)
     status, results = _train(tmp_path, "--backend", "triton", "--device", "cpu")
     assert status == cli.EXIT_USAGE and results is None
     assert capsys.readouterr().err == ("nvfp4-recipe train: error: NVFP4 backend 'triton' cannot run "
                                        "here: the triton backend needs a CUDA device, got cpu\n")
-    monkeypatch.setattr(loop, "train_run", _fake_run)  # bf16 alone does not use the backend
+    monkeypatch.setattr(cli, "train_run", _fake_run)  # bf16 alone does not use the backend
     assert _train(tmp_path, "--backend", "triton", "--device", "cpu", "--recipes", "bf16")[0] == 0
 
 
 def test_out_must_be_a_writable_directory_without_earlier_results(tmp_path, capsys, monkeypatch):
-    from nvfp4_recipe.train import loop
-    monkeypatch.setattr(loop, "train_run", _fake_run)
+    monkeypatch.setattr(cli, "train_run", _fake_run)
     a_file = tmp_path / "file"
     a_file.write_text("x")
     for out, message in ((a_file, "exists and is not a directory"),
@@ -211,8 +207,7 @@ def _fake_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None)
 
 
 def test_without_matplotlib_the_run_writes_json_and_says_why_no_plot(tmp_path, monkeypatch, capsys):
-    from nvfp4_recipe.train import loop
-    monkeypatch.setattr(loop, "train_run", _fake_run)
+    monkeypatch.setattr(cli, "train_run", _fake_run)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     status, results = _train(tmp_path, "--recipes", "bf16")
     assert status == 0 and [r["recipe"] for r in results["runs"]] == ["bf16"]
@@ -221,8 +216,7 @@ def test_without_matplotlib_the_run_writes_json_and_says_why_no_plot(tmp_path, m
 
 
 def test_interrupt_keeps_finished_runs(tmp_path, monkeypatch):
-    from nvfp4_recipe.train import loop
-    monkeypatch.setattr(loop, "train_run", _fake_run)
+    monkeypatch.setattr(cli, "train_run", _fake_run)
     status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4-no-sr")
     assert status == cli.EXIT_INTERRUPTED
     assert [r["recipe"] for r in results["runs"]] == ["bf16"]

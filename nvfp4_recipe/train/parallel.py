@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import set_sr_rank
+from ..layer import NVFP4Module
+
 
 @dataclass
 class DataParallel:
@@ -68,10 +71,7 @@ class DataParallel:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """``model`` (on this rank's device) with this rank's SR streams, in DDP."""
-        from nvfp4_recipe.distributed import set_sr_rank
-        from nvfp4_recipe.linear import NVFP4Linear
-        from nvfp4_recipe.moe import NVFP4Experts
-        if any(isinstance(m, (NVFP4Linear, NVFP4Experts)) for m in model.modules()):
+        if any(isinstance(m, NVFP4Module) for m in model.modules()):
             set_sr_rank(model)
         ids = [self.device.index] if self.device.type == "cuda" else None
         # the only buffers are the NVFP4 layers' signs and SR counters, equal on every rank

@@ -9,6 +9,12 @@ from typing import Dict, Optional, Sequence
 
 from torch import nn
 
+from ..api import quantize_
+from ..layer import NVFP4Module
+from ..linear import NVFP4Linear
+from ..moe import experts_modules
+from ..recipe import NVFP4Recipe
+
 BASELINE = "bf16"
 KEEP_HIGH_PRECISION = ("lm_head",)
 
@@ -53,7 +59,6 @@ def make_recipe(name: str, seed: int, backend: str):
     fields = RECIPES[name]
     if fields is None:
         return None
-    from nvfp4_recipe import NVFP4Recipe
     return NVFP4Recipe(keep_bf16=KEEP_HIGH_PRECISION, seed=seed, backend=backend, **fields)
 
 
@@ -62,7 +67,6 @@ def apply_recipe(model: nn.Module, name: str, seed: int, backend: str) -> nn.Mod
     exactly as a user would: ``quantize_(model, NVFP4Recipe(...))``. Returns ``model``."""
     recipe = make_recipe(name, seed, backend)
     if recipe is not None:
-        from nvfp4_recipe import quantize_
         quantize_(model, recipe)
     return model
 
@@ -70,13 +74,11 @@ def apply_recipe(model: nn.Module, name: str, seed: int, backend: str) -> nn.Mod
 def quantized_fraction(model: nn.Module) -> str:
     """'k/n linears in NVFP4' for a model after :func:`apply_recipe`, with
     'and e/m experts layers' when it has mixture-of-experts layers."""
-    from nvfp4_recipe.linear import NVFP4Linear
-    from nvfp4_recipe.moe import NVFP4Experts, experts_modules
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     quantized = [m for m in linears if isinstance(m, NVFP4Linear)]
     text = f"{len(quantized)}/{len(linears)} linears"
     experts = list(experts_modules(model).values())
     if experts:
-        n_fp4 = sum(isinstance(m, NVFP4Experts) for m in experts)
+        n_fp4 = sum(isinstance(m, NVFP4Module) for m in experts)
         text += f" and {n_fp4}/{len(experts)} experts layers"
     return text + " in NVFP4"
