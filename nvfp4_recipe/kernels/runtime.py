@@ -5,7 +5,8 @@ device queries cached per device (the SM count sizes persistent grids; the compu
 hardware paths), the check that tensors can run the kernels at all, scalar arguments given by value
 or as device pointers, the autotuner's tile pruning, and :class:`Launcher`, which launches a compiled
 kernel with a few microseconds of host time, or, while torch.compile traces a ``triton_op``
-(``ops.py``), records the launch with ``wrap_triton`` so that Inductor calls the kernel itself.
+(``backends/operators.py``), records the launch with ``wrap_triton`` so that Inductor calls the
+kernel itself.
 Imports nothing from the package, and changes nothing outside it at import.
 """
 
