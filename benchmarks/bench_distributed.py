@@ -32,9 +32,10 @@ from common import environment, markdown_table, write_json
 from nvfp4_recipe.distributed import set_sr_rank
 from nvfp4_recipe.linear import NVFP4Linear
 from nvfp4_recipe.moe import NVFP4Experts
+from nvfp4_recipe.train.config import ModelConfig, TrainConfig
 from nvfp4_recipe.train.data import Batches, load_corpus
-from nvfp4_recipe.train.loop import TrainConfig, lm_loss, make_optimizer
-from nvfp4_recipe.train.model import ModelConfig, TinyLM, count_params
+from nvfp4_recipe.train.loop import lm_loss, make_optimizer
+from nvfp4_recipe.train.model import TinyLM, count_params
 from nvfp4_recipe.train.recipes import apply_recipe
 
 WIDE = ModelConfig(d_model=2048, n_layers=4, n_heads=16, d_ff=8192, seq_len=1024)

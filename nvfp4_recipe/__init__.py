@@ -10,60 +10,36 @@ for evaluation and generation). The typed pieces below them: :class:`QuantSpec` 
 and the Triton kernels (``kernels``).
 """
 
-import logging
-import os
+import importlib
+import importlib.util
+
+# Public name -> the submodule defining it. The names are imported on first use (PEP 562), so that
+# `import nvfp4_recipe` (and the command's --help) does not import torch.
+_PUBLIC = {"NVFP4Recipe": "recipe", "NVFP4Tensor": "tensor", "NVFP4Linear": "linear",
+           "NVFP4Conv1D": "conv1d", "NVFP4GroupedExperts": "moe", "NVFP4HFExperts": "moe",
+           "NVFP4Operand": "operand", "QuantSpec": "spec", "GemmRole": "spec", "quantize_": "api",
+           "dequantize_": "api", "summary": "inspect", "tensor_stats": "inspect", "capture": "inspect",
+           "cached_weights": "layer"}
+
+__all__ = list(_PUBLIC)
 
 
-class _DropRecord(logging.Filter):
-    """Drops the log records whose message contains ``text``."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
+def _import_public() -> None:
+    """Import every public name at once, as the package's import used to: importing ``api``
+    registers NVFP4Recipe with torchao's quantize_, which uses no name of ``api``."""
+    for name, module in _PUBLIC.items():
+        globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
 
 
-def _import_torchao_quietly() -> None:
-    """Import torchao without its import-time log lines (a library import prints nothing).
-
-    We use torchao's Python layers only (AOBaseConfig, TorchAOBaseTensor, the quantize_ handler
-    registry); its compiled extensions are built for other torch versions, so we skip loading them
-    (TORCHAO_FORCE_SKIP_LOADING_SO_FILES, set for this import only unless the user set it). torchao
-    then logs that it skipped them, and registering its enums with torch's pytree logs a torch
-    deprecation warning; those two records are dropped, during this import only.
-    """
-    env = "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"
-    drops = {"torchao": _DropRecord("Skipping import of cpp extensions due to " + env),
-             "torch.utils._pytree": _DropRecord("is an Enum subclass and is now natively supported")}
-    set_env = env not in os.environ
-    if set_env:
-        os.environ[env] = "1"
-    for name, drop in drops.items():
-        logging.getLogger(name).addFilter(drop)
-    try:
-        import torchao  # noqa: F401
-    finally:
-        for name, drop in drops.items():
-            logging.getLogger(name).removeFilter(drop)
-        if set_env:
-            del os.environ[env]
+def __getattr__(name: str):
+    """A public name (all of them are imported at its first use) or a submodule."""
+    if name in _PUBLIC:
+        _import_public()
+        return globals()[name]
+    if importlib.util.find_spec(f"{__name__}.{name}") is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
 
 
-_import_torchao_quietly()
-
-from .api import dequantize_, quantize_  # noqa: E402
-from .conv1d import NVFP4Conv1D  # noqa: E402
-from .inspect import capture, summary, tensor_stats  # noqa: E402
-from .layer import cached_weights  # noqa: E402
-from .linear import NVFP4Linear  # noqa: E402
-from .moe import NVFP4GroupedExperts, NVFP4HFExperts  # noqa: E402
-from .operand import NVFP4Operand  # noqa: E402
-from .recipe import NVFP4Recipe  # noqa: E402
-from .spec import GemmRole, QuantSpec  # noqa: E402
-from .tensor import NVFP4Tensor  # noqa: E402
-
-__all__ = ["NVFP4Recipe", "NVFP4Tensor", "NVFP4Linear", "NVFP4Conv1D", "NVFP4GroupedExperts",
-           "NVFP4HFExperts", "NVFP4Operand", "QuantSpec", "GemmRole", "quantize_", "dequantize_",
-           "summary", "tensor_stats", "capture", "cached_weights"]
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

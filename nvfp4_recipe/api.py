@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
+from . import _torchao  # noqa: F401  (imports torchao quietly, before the line below)
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from . import moe

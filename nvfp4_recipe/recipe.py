@@ -12,6 +12,7 @@ from dataclasses import Field, dataclass, field, fields, make_dataclass
 from typing import Annotated, Any, Literal, Optional, Tuple, Union, get_args, get_origin
 
 import torch
+from . import _torchao  # noqa: F401  (imports torchao quietly, before the line below)
 from torchao.core.config import AOBaseConfig
 from typing_extensions import Doc
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
+from . import _torchao  # noqa: F401  (imports torchao quietly, before the line below)
 from torchao.utils import TorchAOBaseTensor
 
 from . import reference as R

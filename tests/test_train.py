@@ -4,6 +4,8 @@ import importlib.metadata
 import json
 import math
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,10 +14,13 @@ import torch
 
 from nvfp4_recipe import cli
 from nvfp4_recipe.train import data as D
-from nvfp4_recipe.train.loop import RunResult, TrainConfig
-from nvfp4_recipe.train.recipes import RECIPES
+from nvfp4_recipe.train import job
+from nvfp4_recipe.train.config import RECIPES, TrainConfig
+from nvfp4_recipe.train.loop import RunResult
+from nvfp4_recipe.train.presets import PRESETS
 
 LN_256 = math.log(256)
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 
 
 def _has_matplotlib() -> bool:
@@ -116,11 +121,11 @@ def test_seed_range_ends():
 def test_idle_threads_leave_the_busy_cores_out(monkeypatch, cpus, load, most, want):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
-    assert cli.idle_threads(most) == want
+    assert job.idle_threads(most) == want
 
 
 def test_run_threads_default_to_the_idle_cores_and_follow_threads(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "train_run", _fake_run)
+    monkeypatch.setattr(job, "train_run", _fake_run)
     monkeypatch.setattr(os, "getloadavg", lambda: (1000.0, 0.0, 0.0))  # every core busy
     torch.set_num_threads(2)
     status, results = _train(tmp_path / "busy", "--recipes", "bf16")
@@ -129,11 +134,26 @@ def test_run_threads_default_to_the_idle_cores_and_follow_threads(tmp_path, monk
     assert status == 0 and results["hardware"].endswith(", 2 torch threads")
 
 
-def test_module_entry_point_help():
-    proc = subprocess.run([sys.executable, "-m", "nvfp4_recipe", "--help"], capture_output=True,
-                          text=True, env=dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
-    assert proc.returncode == 0
-    assert "train" in proc.stdout
+def _listed(names):
+    """Patterns of the help lines that start with each of ``names`` (the recipe and preset lists)."""
+    return [rf"(?m)^ +{re.escape(name)} " for name in names]
+
+
+@pytest.mark.parametrize("args, patterns", [
+    (["--help"], [r"^usage: nvfp4-recipe", r"\btrain\b"]),
+    (["train", "--help"], _listed(RECIPES) + _listed(PRESETS)),
+    (["--version"], [rf"^nvfp4-recipe {re.escape(importlib.metadata.version('nvfp4-recipe'))}\n$"]),
+])
+def test_help_and_version_answer_without_importing_torch(args, patterns):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "nvfp4_recipe", *args],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    modules = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+               if line.startswith("import time:")]
+    assert modules and not [m for m in modules if m.split(".")[0] == "torch"]
+    for pattern in patterns:
+        assert re.search(pattern, proc.stdout), (pattern, proc.stdout)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -154,7 +174,7 @@ def test_module_entry_point_help():
      "nvfp4-recipe train: error: --mode graph needs a CUDA device (CUDA graphs), got cpu"),
 ])
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys, monkeypatch, args, message):
-    monkeypatch.setattr(cli, "train_run", _no_training)
+    monkeypatch.setattr(job, "train_run", _no_training)
     status, results = _train(tmp_path, *args)
     assert status == cli.EXIT_USAGE
     assert capsys.readouterr().err == message + "\n"
@@ -169,17 +189,17 @@ def test_unavailable_backend_fails_before_any_training(tmp_path, capsys, monkeyp
                                                       without_triton_interpreter):
     """--backend triton on a CPU (without the Triton interpreter the tests use) fails at once,
     not after the bf16 run."""
-    monkeypatch.setattr(cli, "train_run", _no_training)
+    monkeypatch.setattr(job, "train_run", _no_training)
     status, results = _train(tmp_path, "--backend", "triton", "--device", "cpu")
     assert status == cli.EXIT_USAGE and results is None
     assert capsys.readouterr().err == ("nvfp4-recipe train: error: NVFP4 backend 'triton' cannot run "
                                        "here: the triton backend needs a CUDA device, got cpu\n")
-    monkeypatch.setattr(cli, "train_run", _fake_run)  # bf16 alone does not use the backend
+    monkeypatch.setattr(job, "train_run", _fake_run)  # bf16 alone does not use the backend
     assert _train(tmp_path, "--backend", "triton", "--device", "cpu", "--recipes", "bf16")[0] == 0
 
 
 def test_out_must_be_a_writable_directory_without_earlier_results(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "train_run", _fake_run)
+    monkeypatch.setattr(job, "train_run", _fake_run)
     a_file = tmp_path / "file"
     a_file.write_text("x")
     for out, message in ((a_file, "exists and is not a directory"),
@@ -207,7 +227,7 @@ def _fake_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None)
 
 
 def test_without_matplotlib_the_run_writes_json_and_says_why_no_plot(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "train_run", _fake_run)
+    monkeypatch.setattr(job, "train_run", _fake_run)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     status, results = _train(tmp_path, "--recipes", "bf16")
     assert status == 0 and [r["recipe"] for r in results["runs"]] == ["bf16"]
@@ -216,7 +236,7 @@ def test_without_matplotlib_the_run_writes_json_and_says_why_no_plot(tmp_path, m
 
 
 def test_interrupt_keeps_finished_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "train_run", _fake_run)
+    monkeypatch.setattr(job, "train_run", _fake_run)
     status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4-no-sr")
     assert status == cli.EXIT_INTERRUPTED
     assert [r["recipe"] for r in results["runs"]] == ["bf16"]

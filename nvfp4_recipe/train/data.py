@@ -13,7 +13,6 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-VOCAB = 256
 # Separates two files in the token stream (a byte that does not occur in ordinary Python source).
 FILE_SEPARATOR = b"\x00"
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", "node_modules"}

@@ -1,10 +1,11 @@
 """One training run: build the model, apply a recipe, train with AdamW, evaluate on held-out files.
 
-Steps run in one of two modes that compute the same bits (``MODES``): ``eager``, the plain loop, and
-``graph``, the whole step (forward, backward, gradient clipping, AdamW) captured once in a CUDA graph
-and replayed, which removes the host's launch cost of the many small kernels (NVFP4 quantization
-passes in particular). Both use AdamW with ``capturable=True`` and the learning rate as a device
-tensor set before every step, so that the captured and the eager step are the same computation.
+Steps run in one of two modes that compute the same bits (``config.MODES``): ``eager``, the plain
+loop, and ``graph``, the whole step (forward, backward, gradient clipping, AdamW) captured once in a
+CUDA graph and replayed, which removes the host's launch cost of the many small kernels (NVFP4
+quantization passes in particular). Both use AdamW with ``capturable=True`` and the learning rate as
+a device tensor set before every step, so that the captured and the eager step are the same
+computation.
 """
 
 import math
@@ -17,83 +18,11 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
+from .config import TrainConfig
 from .data import Batches
-from .model import ModelConfig, TinyLM, count_params
+from .model import TinyLM, count_params
 from .parallel import DataParallel
 from .recipes import apply_recipe, quantized_fraction
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run depends on besides the data and the recipe (units in the field comments).
-
-    The defaults are the ``cpu`` preset of ``nvfp4-recipe train``.
-    """
-
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    d_ff: int = 512
-    seq_len: int = 128
-    batch_size: int = 16          # sequences per step; tokens per step = batch_size * seq_len
-    steps: int = 250
-    lr: float = 3e-3              # peak AdamW learning rate
-    min_lr_ratio: float = 0.1     # cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int = 25        # linear warm-up
-    weight_decay: float = 0.1     # on matrices (dim >= 2) only
-    grad_clip: float = 1.0        # max global gradient norm
-    eval_every: int = 50          # steps between validation passes (and one at step 0 and the end)
-    eval_tokens: int = 16384      # validation tokens per pass
-    seed: int = 0
-    backend: str = "auto"         # NVFP4Recipe.backend
-    mode: str = "auto"            # "eager", "graph" (CUDA only) or "auto" (graph on CUDA)
-    n_experts: int = 0            # > 0: MoE feed-forward layers of this many experts (--moe)
-    top_k: int = 2                # experts per token
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(self.d_model, self.n_layers, self.n_heads, self.d_ff, self.seq_len,
-                           n_experts=self.n_experts, top_k=self.top_k)
-
-    def validate(self) -> None:
-        """Raises ValueError, naming the command-line option, for an invalid value."""
-        self.model_config().validate()
-        for name in ("batch_size", "steps", "eval_every", "eval_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if not 0 < self.lr < math.inf:  # also rejects NaN, which fails every comparison
-            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
-        if not (0 <= self.min_lr_ratio <= 1 and 0 <= self.weight_decay < math.inf
-                and 0 < self.grad_clip < math.inf):
-            raise ValueError(f"need 0 <= min_lr_ratio <= 1, a finite weight_decay >= 0 and a finite "
-                             f"grad_clip > 0, got {self.min_lr_ratio}, {self.weight_decay}, {self.grad_clip}")
-        if self.mode not in ("auto", *MODES):
-            raise ValueError(f"--mode must be 'auto' or one of {MODES}, got {self.mode!r}")
-
-    def step_mode(self, device: torch.device, data_parallel: bool = False) -> str:
-        """The mode steps run in on ``device``: for "auto", "graph" on CUDA in one process with a
-        dense model and "eager" otherwise (under torchrun DDP's gradient all-reduce is driven by
-        host-side hooks, which a captured graph would not replay; the MoE model's routing counts
-        tokens per expert on the host, which a capture forbids).
-
-        Raises:
-            ValueError: "graph" on a device other than CUDA, with data parallelism or with MoE.
-        """
-        if self.mode == "auto":
-            graph = device.type == "cuda" and not data_parallel and not self.n_experts
-            return "graph" if graph else "eager"
-        if self.mode == "graph" and device.type != "cuda":
-            raise ValueError(f"--mode graph needs a CUDA device (CUDA graphs), got {device}")
-        if self.mode == "graph" and data_parallel:
-            raise ValueError("--mode graph runs one process; under torchrun use --mode eager or auto")
-        if self.mode == "graph" and self.n_experts:
-            raise ValueError("--mode graph cannot capture the MoE model (its routing syncs with the "
-                             "host); use --mode eager or auto")
-        return self.mode
-
-
-MODES = ("eager", "graph")
 
 
 @dataclass

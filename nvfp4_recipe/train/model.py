@@ -7,44 +7,11 @@ The experts are a :class:`GroupedExperts` in torchtitan's layout, which ``quanti
 ``moe.NVFP4GroupedExperts``; the router (``router``, one logit per expert) stays in high precision.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import VOCAB
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of :class:`TinyLM`. ``d_model``, ``d_ff`` and ``seq_len`` must be multiples of 16 and
-    ``d_model`` a multiple of ``n_heads``. ``n_experts`` > 0 makes every feed-forward layer a
-    mixture of that many SwiGLU experts of hidden size ``d_ff``, ``top_k`` of them per token."""
-
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    seq_len: int
-    vocab: int = VOCAB
-    n_experts: int = 0
-    top_k: int = 2
-
-    def validate(self) -> None:
-        """Raises ValueError naming the field (as its command-line option) when a shape is invalid."""
-        for name in ("d_model", "d_ff", "seq_len"):
-            value = getattr(self, name)
-            if value <= 0 or value % 16:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive multiple of 16 "
-                                 f"(NVFP4 blocks are 16 wide), got {value}")
-        if self.n_layers < 1 or self.n_heads < 1:
-            raise ValueError(f"--n-layers and --n-heads must be >= 1, got {self.n_layers} and {self.n_heads}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"--d-model ({self.d_model}) must be a multiple of --n-heads ({self.n_heads})")
-        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
-            raise ValueError(f"--experts must be >= 0 and --top-k in [1, --experts], got "
-                             f"{self.n_experts} and {self.top_k}")
+from .config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -9,7 +9,7 @@
 
 from dataclasses import replace
 
-from .loop import TrainConfig
+from .config import TrainConfig
 
 # Data options of a preset: max_mb caps the bytes read (a seeded subset of the files).
 PRESETS = {

@@ -1,11 +1,6 @@
-"""The recipes ``nvfp4-recipe train`` compares: the high-precision baseline and NVFP4 variants.
-
-Every NVFP4 recipe keeps the embedding (not an nn.Linear) and the output projection ``lm_head`` in
-high precision, as NVFP4 pretraining recipes do (and, in MoE models, the routers: ``quantize_``'s
-default); the variants each change one field of the default :class:`NVFP4Recipe` (an ablation).
+"""The recipes ``nvfp4-recipe train`` compares (their table is ``config.RECIPES``), applied to a
+model: ``quantize_(model, NVFP4Recipe(...))``.
 """
-
-from typing import Dict, Optional, Sequence
 
 from torch import nn
 
@@ -14,39 +9,7 @@ from ..layer import NVFP4Module
 from ..linear import NVFP4Linear
 from ..moe import experts_modules
 from ..recipe import NVFP4Recipe
-
-BASELINE = "bf16"
-KEEP_HIGH_PRECISION = ("lm_head",)
-
-# name -> NVFP4Recipe fields changed from the default (None: the high-precision baseline).
-RECIPES: Dict[str, Optional[dict]] = {
-    BASELINE: None,
-    "nvfp4": {},
-    "nvfp4-no-rht": {"rht": False},
-    "nvfp4-no-sr": {"stochastic_rounding": False},
-    "nvfp4-1d-weights": {"weight_2d": False},
-    "nvfp4-per-token": {"scaling": "per_token"},
-    "nvfp4-amax-est": {"amax_estimation": (2.0, 1.0)},
-}
-
-DESCRIPTIONS = {
-    BASELINE: "the baseline: no quantize_, every linear in the --precision dtype (bf16 autocast)",
-    "nvfp4": "the default NVFP4 recipe: 2D weights, RHT on wgrad, SR on gradients, per-tensor scales",
-    "nvfp4-no-rht": "nvfp4 without the random Hadamard transform (rht=False)",
-    "nvfp4-no-sr": "nvfp4 with round-to-nearest gradients (stochastic_rounding=False)",
-    "nvfp4-1d-weights": "nvfp4 with 1x16 weight blocks (weight_2d=False)",
-    "nvfp4-per-token": "nvfp4 with per-token outer scales (scaling='per_token')",
-    "nvfp4-amax-est": "nvfp4 with the post-RHT amax estimated (amax_estimation=(2.0, 1.0))",
-}
-
-
-def check_recipes(names: Sequence[str]) -> None:
-    """Raises ValueError for an unknown or repeated recipe name, listing the valid ones."""
-    for name in names:
-        if name not in RECIPES:
-            raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"a recipe is listed twice in {list(names)}")
+from .config import KEEP_HIGH_PRECISION, RECIPES, check_recipes
 
 
 def make_recipe(name: str, seed: int, backend: str):

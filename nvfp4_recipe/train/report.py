@@ -5,8 +5,8 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
+from .config import BASELINE
 from .loop import RunResult
-from .recipes import BASELINE
 
 TABLE_HEADER = ("recipe", "steps", "train loss", "val loss (nats)", f"gap to {BASELINE}",
                 "tokens/s", "peak memory")
