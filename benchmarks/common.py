@@ -22,7 +22,7 @@ def l2_flushed_by_read():
 
     Zeroing leaves the L2 full of dirty lines, which the timed kernel then writes back to DRAM
     while it reads: a read-only 128 MiB amax pass took 45.4 us after the zeroing flush and 36.8 us
-    after a reading one (H200, 2026-11-24), the copy baseline 1.00x. A kernel is then charged for
+    after a reading one on an H200, the copy baseline 1.00x. A kernel is then charged for
     its own memory traffic only; its input still comes from DRAM either way. The flush also
     gives the host its head start: do_bench queues the timed call while the flush runs, so a
     flush shorter than the call's host time would time the host's launches too. Three reads

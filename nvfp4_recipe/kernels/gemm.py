@@ -168,7 +168,7 @@ def default_method(m: int, n: int, k: int, device: torch.device) -> str:
     output with a long K, which cuBLAS splits along K and our persistent kernel does not);
     "cublas" there, on older GPUs and under the interpreter. A small output with a short K stays
     on "triton": one launch and no fp32 intermediate, where cuBLAS's product and the epilogue
-    take two (measured 2026-11-24 on an H200: equal GPU time up to K = 2048, less host time)."""
+    take two (on an H200: equal GPU time up to K = 2048, less host time)."""
     if device.type == "cuda" and not interpreting() and capability(device) >= (9, 0):
         tiles = cdiv(m, GEMM_CONFIG["BM"]) * cdiv(n, GEMM_CONFIG["BN"])
         if tiles >= num_sms(device) or k < SPLIT_K_MIN:
