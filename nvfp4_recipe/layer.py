@@ -185,6 +185,15 @@ class NVFP4Module(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
+    def recipe_repr(self) -> str:
+        """The recipe as module reprs and ``summary`` show it: ``recipe=nvfp4(...), backend=...``."""
+        r = self.recipe
+        parts = ["rht" if r.rht else "no-rht", "sr" if r.stochastic_rounding else "rn",
+                 "2d-weights" if r.weight_2d else "1d-weights", r.scaling.value]
+        if r.amax_estimation:
+            parts.append(f"amax-est{r.amax_estimation}")
+        return f"recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
+
     def cached_operand(self, name: str, weight: torch.Tensor, backend: str,
                        make: Callable[[], NVFP4Operand]) -> Optional[NVFP4Operand]:
         """Weight ``name`` quantized for fprop by ``make()``, kept inside :func:`cached_weights`

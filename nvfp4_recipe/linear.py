@@ -22,7 +22,7 @@ from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, local, next_sr_key, out_dtype, sr_key, training
 from .operand import NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import Block, GemmRole
+from .spec import GemmRole
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
@@ -121,8 +121,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
     :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, signs, sr_seed, sr_step, recipe: NVFP4Recipe, backend: str,
-                out_dtype: torch.dtype, sr_rank: int, shard: Optional[TensorParallelShard]):
+    def forward(ctx, x, weight, bias, signs, sr, recipe: NVFP4Recipe, backend: str,
+                out_dtype: torch.dtype, shard: Optional[TensorParallelShard]):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dw and x.shape[0] % BLOCK:
             raise ValueError(
@@ -133,26 +133,25 @@ class _NVFP4LinearFn(torch.autograd.Function):
                 f" or pack sequences; inference under torch.no_grad takes any number")
         y, wt, xt = linear_fprop(resolved(backend), x, weight, bias, recipe, signs, out_dtype,
                                  need_dx, need_dw, shard)
-        ctx.recipe, ctx.backend, ctx.sr_rank, ctx.shard = recipe, backend, sr_rank, shard
+        ctx.recipe, ctx.backend, ctx.shard = recipe, backend, shard
+        ctx.w_block = wt.block if wt is not None else None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         none3 = (None, None, None)
         ctx.save_for_backward(*(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs)
-        # the SR counters are read in backward as they are then, not as saved: every backward
-        # advances sr_step, which a saved tensor's version check would refuse when the layer runs
-        # twice before one backward (shared weights, a loop over the layer)
-        ctx.sr = (sr_seed, sr_step)
+        # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
+        # backward advances sr_step, which a saved tensor's version check would refuse when the
+        # layer runs twice before one backward (shared weights, a loop over the layer)
+        ctx.sr = sr
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         signs = saved[6]
-        sr_seed, sr_step = ctx.sr
-        w_block = Block.D2 if ctx.recipe.weight_2d else Block.D1
-        wt = NVFP4Operand(*saved[0:3], w_block) if saved[0] is not None else None
+        wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None else None
         xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None else None
-        seed = next_sr_key(sr_seed, sr_step, ctx.sr_rank)
+        seed = next_sr_key(*ctx.sr)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wt, xt = wt if need_dx else None, xt if need_dw else None
         with torch.autocast(dy.device.type, enabled=False):
@@ -161,7 +160,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class NVFP4Linear(NVFP4Module, nn.Linear):
@@ -267,9 +266,8 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
                 y = nn.functional.linear(x2.to(weight.dtype), weight, bias).to(y_dtype)
             elif training(x, weight, bias):
-                y = _NVFP4LinearFn.apply(x2, weight, bias, signs, local(self.sr_seed),
-                                         local(self.sr_step), self.recipe, backend, y_dtype,
-                                         self.sr_rank, shard)
+                y = _NVFP4LinearFn.apply(x2, weight, bias, signs, self.sr_state(), self.recipe,
+                                         backend, y_dtype, shard)
             else:
                 # keyed by the Parameter, whose version counter a transposed view shares
                 w = None if shard is not None else self.cached_operand(
@@ -311,7 +309,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             if x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
                 self.captured.update(xt=tensor(x2.t(), GemmRole.X_WGRAD))
         if y.requires_grad:
-            seed = sr_key(self.sr_seed, self.sr_step, self.sr_rank)  # before backward advances it
+            seed = sr_key(*self.sr_state())  # before backward advances it
 
             def record_dy(dy):
                 with torch.no_grad():
@@ -323,10 +321,5 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             y.register_hook(record_dy)
 
     def extra_repr(self) -> str:
-        r = self.recipe
-        parts = ["rht" if r.rht else "no-rht", "sr" if r.stochastic_rounding else "rn",
-                 "2d-weights" if r.weight_2d else "1d-weights", r.scaling.value]
-        if r.amax_estimation:
-            parts.append(f"amax-est{r.amax_estimation}")
-        return f"{super().extra_repr()}, recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
+        return f"{super().extra_repr()}, {self.recipe_repr()}"
 

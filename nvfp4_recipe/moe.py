@@ -11,8 +11,8 @@ of a (G, N, K) parameter. Per projection and step:
 
 each a grouped primitive of the backend (``Backend.quantize_groups``, ``quantize_experts``,
 ``grouped_mm``: the reference per group on CPU, the grouped kernels on GPUs). Every group's
-length must be a multiple of 16 (the wgrad blocks run along the tokens); the modules here pad each expert's tokens with zero rows (:func:`pad_groups`), so any
-routing works.
+length must be a multiple of 16 (the wgrad blocks run along the tokens); the modules here pad
+each expert's tokens with zero rows (:func:`pad_groups`), so any routing works.
 
 Modules: :class:`NVFP4GroupedExperts` (torchtitan's ``GroupedExperts`` layout: SwiGLU experts w1,
 w3 (G, hidden, dim), w2 (G, dim, hidden); ``forward(x, num_tokens_per_expert)``) and
@@ -196,7 +196,8 @@ def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Ten
 # ----------------------------------------------------------------------------------------------
 class NVFP4Experts(NVFP4Module):
     """The base of the NVFP4 experts modules: the grouped projections, one SR stream each
-    (``STREAMS`` = ``PROJECTIONS``), and the high-precision module they were converted from.
+    (``STREAMS``: the projections' names), and the high-precision module they were converted
+    from.
 
     Buffers and ``sr_rank``: :class:`layer.NVFP4Module` (``sr_seed`` and ``sr_step`` (P,), one
     per projection, seeded with ``crc32(name_p)`` added). Like ``NVFP4Linear``, the projections
@@ -206,13 +207,13 @@ class NVFP4Experts(NVFP4Module):
     run on this module's Parameters.
     """
 
-    PROJECTIONS: Tuple[str, ...] = ()
+    STREAMS: Tuple[str, ...] = ()
 
     def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
         backend = backend_name(self.recipe.backend.value, w.device)
         wq = None if training(x, w) else self.cached_operand(
-            self.PROJECTIONS[p], w, backend, lambda: resolved(backend).quantize_experts(
+            self.STREAMS[p], w, backend, lambda: resolved(backend).quantize_experts(
                 w, self.recipe.spec(GemmRole.W_FPROP), need_t=False, transient=True)[0])
         y = _grouped_linear(x, w, offs, self.recipe, self.rht_signs, self.sr_state(p), backend, wq)
         if self.captured is not None:
@@ -228,7 +229,7 @@ class NVFP4Experts(NVFP4Module):
         bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
         be, r, signs = resolved(backend), self.recipe, self.rht_signs
         bounds = group_bounds(offs)
-        record = self.captured.setdefault(self.PROJECTIONS[p], {})
+        record = self.captured.setdefault(self.STREAMS[p], {})
 
         def groups(op, role):
             spec = r.spec(role)
@@ -289,10 +290,7 @@ class NVFP4Experts(NVFP4Module):
         self.reset_recipe_buffers()
 
     def extra_repr(self) -> str:
-        r = self.recipe
-        parts = ["rht" if r.rht else "no-rht", "sr" if r.stochastic_rounding else "rn",
-                 "2d-weights" if r.weight_2d else "1d-weights", r.scaling.value]
-        return f"experts={self.num_experts}, recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
+        return f"experts={self.num_experts}, {self.recipe_repr()}"
 
 
 def _padded(x: torch.Tensor, counts: torch.Tensor):
@@ -313,7 +311,7 @@ class NVFP4GroupedExperts(NVFP4Experts):
     Projections (SR streams): "w1", "w3", "w2". See :class:`NVFP4Experts` for the buffers.
     """
 
-    PROJECTIONS = STREAMS = ("w1", "w3", "w2")
+    STREAMS = ("w1", "w3", "w2")
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int,
                  recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0, device=None,
@@ -366,7 +364,7 @@ class NVFP4HFExperts(NVFP4Experts):
     Projections (SR streams): "gate_up_proj", "down_proj". See :class:`NVFP4Experts`.
     """
 
-    PROJECTIONS = STREAMS = ("gate_up_proj", "down_proj")
+    STREAMS = ("gate_up_proj", "down_proj")
 
     def __init__(self, experts: nn.Module, recipe: Optional[NVFP4Recipe] = None,
                  layer_seed: int = 0):
