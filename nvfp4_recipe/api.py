@@ -193,8 +193,8 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
             reasons[fqn] = "out_proj of an nn.MultiheadAttention, which uses its weight, not its forward"
         elif id(module) in routers:
             reasons[fqn] = "the router of an MoE layer (routing stays in high precision)"
-        elif _layer_problem(module) is not None:
-            reasons[fqn] = _layer_problem(module)
+        elif (problem := _layer_problem(module)) is not None:
+            reasons[fqn] = problem
     if filter_fn is not None:
         for fqn, module in {**linears, **experts}.items():
             if not (fqn in reasons or isinstance(module, NVFP4Module) or filter_fn(module, fqn)):
