@@ -5,7 +5,9 @@ step); ``wide`` is d_model 2048, d_ff 8192, 4 layers, 16k tokens a step, where t
 enough for the GEMMs to dominate; ``moe`` is the preset with every feed-forward layer a mixture
 of 8 SwiGLU experts, 2 per token (bf16: ``torch._grouped_mm``; NVFP4: the grouped kernels). Step = forward + cross-entropy + backward + AdamW step, bf16
 autocast, on random byte tokens. Reports the median step time, tokens/s and peak memory in three
-modes: eager, ``torch.compile``d, and the whole eager step captured in one CUDA graph and replayed
+modes: eager, ``torch.compile``d (each transformer block compiled on its own, as torchtitan does:
+the blocks share one compiled graph, so compilation costs one block's; ``--compile model``
+compiles the whole model instead), and the whole eager step captured in one CUDA graph and replayed
 (AdamW with ``capturable=True`` in every mode, as the main job), and the wall time of the first
 step (with torch.compile's compilation, or the graph's warm-up and capture). The peers, torchao's float8
 training with rowwise and tensorwise scales (``convert_to_float8_training``, the same linears as
@@ -13,7 +15,7 @@ NVFP4: all but ``lm_head``), run compiled only, the mode torchao supports for sp
 bf16 in the same mode, from the same run. Prints a table and writes JSON.
 
     python benchmarks/bench_train_step.py [--json out.json] [--models preset wide]
-        [--modes eager compiled graph] [--no-peers] [--profile]
+        [--modes eager compiled graph] [--compile blocks|model] [--no-peers] [--profile]
 
 ``--profile`` also prints each mode's GPU time per kernel (torch.profiler; in graph mode, of the
 replays).
@@ -25,6 +27,7 @@ import time
 import torch
 
 from common import environment, median_ms, write_json
+from nvfp4_recipe.blocks import repeated_blocks
 from nvfp4_recipe.train.loop import build_model, lm_loss, make_optimizer
 from nvfp4_recipe.train.model import count_params
 from nvfp4_recipe.train.presets import preset_config
@@ -76,7 +79,17 @@ def float8_model(cfg, name: str, device) -> torch.nn.Module:
                                       module_filter_fn=lambda mod, fqn: fqn != "lm_head")
 
 
-def measure(model_name: str, recipe: str, mode: str, profile: bool = False) -> dict:
+def compiled(model: torch.nn.Module, scope: str) -> torch.nn.Module:
+    """``model`` compiled whole (``scope`` "model") or one repeated block at a time ("blocks")."""
+    if scope == "model":
+        return torch.compile(model)
+    for _, block in repeated_blocks(model):
+        block.compile()
+    return model
+
+
+def measure(model_name: str, recipe: str, mode: str, profile: bool = False,
+            scope: str = "blocks") -> dict:
     cfg = preset_config("gpu", **MODELS[model_name])
     device = torch.device("cuda")
     if recipe in PEERS:
@@ -84,7 +97,7 @@ def measure(model_name: str, recipe: str, mode: str, profile: bool = False) -> d
     else:
         model = build_model(cfg, recipe, device)
     opt, _ = make_optimizer(model, cfg)  # capturable on CUDA in every mode, as the main job
-    fwd = torch.compile(model) if mode == "compiled" else model
+    fwd = compiled(model, scope) if mode == "compiled" else model
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), device=device, generator=g)
     y = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), device=device, generator=g)
@@ -130,16 +143,18 @@ def main():
     p.add_argument("--json", default="bench_train_step.json")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--compile", choices=("blocks", "model"), default="blocks",
+                   help="compiled mode: each transformer block on its own (default) or the whole model")
     p.add_argument("--no-peers", action="store_true", help="skip torchao's float8 training")
     p.add_argument("--profile", action="store_true",
                    help="also print the GPU time of each kernel of each mode's steps")
     args = p.parse_args()
     results = {}
     for model, recipe, mode in runs(args.models, args.modes, not args.no_peers):
-        results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile)
+        results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile, args.compile)
         print(f"{model} {recipe} {mode}: {r['ms']:.2f} ms, first step {r['first_step_s']:.1f} s",
               flush=True)
-    write_json(args.json, {**environment(), "results": results,
+    write_json(args.json, {**environment(), "compile": args.compile, "results": results,
                            "models": {m: vars(preset_config("gpu", **MODELS[m])) for m in args.models}})
     print("| model | recipe | mode | step ms | x bf16 (same mode) | first step s | tokens/s | peak GiB |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
