@@ -101,24 +101,20 @@ class TrainConfig:
             raise ValueError(f"--mode must be 'auto' or one of {MODES}, got {self.mode!r}")
 
     def step_mode(self, device: "torch.device", data_parallel: bool = False) -> str:
-        """The mode steps run in on ``device``: for "auto", "graph" on CUDA in one process with a
-        dense model and "eager" otherwise (under torchrun DDP's gradient all-reduce is driven by
-        host-side hooks, which a captured graph would not replay; the MoE model's routing counts
-        tokens per expert on the host, which a capture forbids).
+        """The mode steps run in on ``device``: for "auto", "graph" on CUDA in one process (dense
+        and MoE: the routing's group sizes stay on the device) and "eager" otherwise (under
+        torchrun DDP's gradient all-reduce is driven by host-side hooks, which a captured graph
+        would not replay).
 
         Raises:
-            ValueError: "graph" on a device other than CUDA, with data parallelism or with MoE.
+            ValueError: "graph" on a device other than CUDA or with data parallelism.
         """
         if self.mode == "auto":
-            graph = device.type == "cuda" and not data_parallel and not self.n_experts
-            return "graph" if graph else "eager"
+            return "graph" if device.type == "cuda" and not data_parallel else "eager"
         if self.mode == "graph" and device.type != "cuda":
             raise ValueError(f"--mode graph needs a CUDA device (CUDA graphs), got {device}")
         if self.mode == "graph" and data_parallel:
             raise ValueError("--mode graph runs one process; under torchrun use --mode eager or auto")
-        if self.mode == "graph" and self.n_experts:
-            raise ValueError("--mode graph cannot capture the MoE model (its routing syncs with the "
-                             "host); use --mode eager or auto")
         return self.mode
 
 
