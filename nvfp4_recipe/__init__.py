@@ -5,7 +5,9 @@ layers for :class:`NVFP4Linear`, transformers' ``Conv1D`` for :class:`NVFP4Conv1
 mixture-of-experts modules for :class:`NVFP4GroupedExperts` and :class:`NVFP4HFExperts`),
 :class:`NVFP4Tensor` (the quantized tensor subclass), and the inspection helpers :func:`summary`,
 :func:`tensor_stats` and :func:`capture`, and :func:`cached_weights` (quantize each weight once
-for evaluation and generation). The typed pieces below them: :class:`QuantSpec` and
+for evaluation and generation); checkpoints in and out: :func:`export` (NVFP4 serving checkpoints,
+with :func:`record_amaxes`) and :func:`load_frozen` (a frozen :class:`NVFP4FrozenLinear` base for
+:func:`lora_config`'s adapters). The typed pieces below them: :class:`QuantSpec` and
 :class:`GemmRole` (``spec``), :class:`NVFP4Operand` (``operand``), the backends (``backends``)
 and the Triton kernels (``kernels``).
 """
@@ -19,7 +21,8 @@ _PUBLIC = {"NVFP4Recipe": "recipe", "NVFP4Tensor": "tensor", "NVFP4Linear": "lin
            "NVFP4Conv1D": "conv1d", "NVFP4GroupedExperts": "moe", "NVFP4HFExperts": "moe",
            "NVFP4Operand": "operand", "QuantSpec": "spec", "GemmRole": "spec", "quantize_": "api",
            "dequantize_": "api", "summary": "inspect", "tensor_stats": "inspect", "capture": "inspect",
-           "cached_weights": "layer"}
+           "cached_weights": "layer", "export": "serving", "record_amaxes": "serving",
+           "NVFP4FrozenLinear": "frozen", "load_frozen": "frozen", "lora_config": "frozen"}
 
 __all__ = list(_PUBLIC)
 

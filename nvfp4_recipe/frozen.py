@@ -1,0 +1,301 @@
+"""Checkpoints in: an NVFP4 checkpoint as a frozen NVFP4 base, for LoRA and other adapters.
+
+:class:`NVFP4FrozenLinear` keeps a linear layer's weight as NVFP4 data only (codes, E4M3 scales,
+an fp32 outer scale; 0.5625 bytes a parameter, about 0.5 with 16x16 scales, against bf16's 2) and
+runs fprop and dgrad through it: as NVFP4 GEMMs under the recipe (X and dY quantized as
+``NVFP4Linear`` quantizes them, on the same backends), or as high-precision GEMMs on the weight
+dequantized for the call (exact in bf16). There is no wgrad: the weight is frozen; the input's
+gradient flows, so adapters beside the layer (PEFT's LoRA: :func:`lora_config`) and every layer
+before it train.
+
+:func:`load_frozen` reads a checkpoint directory in either layout :func:`serving.export` writes
+(compressed-tensors ``nvfp4-pack-quantized`` or ModelOpt NVFP4, whoever produced it) into a model.
+"""
+
+import glob
+import json
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import reference as R
+from .backends import resolved
+from .formats import BLOCK
+from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, training
+from .linear import linear_fprop, linear_grads
+from .operand import NVFP4Operand
+from .recipe import NVFP4Recipe
+from .spec import Block, GemmRole, QuantSpec
+from .tensor import NVFP4Tensor
+
+__all__ = ["NVFP4FrozenLinear", "load_frozen", "read_checkpoint", "lora_config", "GEMMS"]
+
+GEMMS = ("nvfp4", "bf16")
+_W_1D = QuantSpec(Block.D1)  # W^T of a 1x16-scaled checkpoint: requantized along N
+
+
+def tile_scales(scale: torch.Tensor) -> Optional[torch.Tensor]:
+    """The 16x16 tile scales (N/16, K/16) of 1x16 scales (N, K/16) whose 16 rows of each tile
+    agree (a 2d-quantized weight written as 1x16), else None."""
+    n = scale.shape[0]
+    if n % BLOCK:
+        return None
+    tiles = scale.view(torch.uint8).reshape(n // BLOCK, BLOCK, -1)
+    if not torch.equal(tiles, tiles[:, :1].expand_as(tiles)):
+        return None
+    return tiles[:, 0].contiguous().view(torch.float8_e4m3fn)
+
+
+def weight_operand(qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.Tensor) -> NVFP4Operand:
+    """A checkpoint's weight as an fprop operand: 2d blocks where the 1x16 scales are tile scales
+    (then W^T is its exact transpose), else 1d."""
+    tiles = tile_scales(scale)
+    if tiles is None:
+        return NVFP4Operand(qdata, scale, outer_scale.reshape(()), Block.D1)
+    return NVFP4Operand(qdata, tiles, outer_scale.reshape(()), Block.D2)
+
+
+def _transposed(w: NVFP4Operand) -> NVFP4Operand:
+    """W^T (K, N), dgrad's B: the exact transpose of 2d blocks; for 1d blocks W dequantized (exact)
+    and quantized again along N (a second rounding: a 1x16-scaled W has no exact transpose)."""
+    if w.block is Block.D2:
+        return R.transpose_2d(w)
+    return R.quantize(R.dequantize(w).t(), _W_1D)
+
+
+class _FrozenLinearFn(torch.autograd.Function):
+    """y (M, N) = x (M, K) @ W^T + bias for a frozen NVFP4 W: fprop, and dgrad in backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, qdata, scale, outer, block, signs, sr, recipe, backend, gemm, y_dtype):
+        w = NVFP4Operand(qdata, scale, outer, block)
+        ctx.save_for_backward(qdata, scale, outer, signs)
+        ctx.block, ctx.sr, ctx.recipe, ctx.backend, ctx.gemm = block, sr, recipe, backend, gemm
+        ctx.x_dtype = x.dtype
+        return _fprop(w, x, bias, signs, recipe, backend, gemm, y_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        qdata, scale, outer, signs = ctx.saved_tensors
+        w = NVFP4Operand(qdata, scale, outer, ctx.block)
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.gemm == "bf16":
+                dx = (dy @ R.dequantize(w).to(dy.dtype)).to(ctx.x_dtype)
+            else:
+                be = resolved(ctx.backend)
+                dx = linear_grads(be, dy, _transposed(w), None, ctx.recipe, signs,
+                                  next_sr_key(*ctx.sr), ctx.x_dtype, ctx.x_dtype)[0]
+        return dx, *(None,) * 11
+
+
+def _fprop(w: NVFP4Operand, x: torch.Tensor, bias: Optional[torch.Tensor], signs: torch.Tensor,
+           recipe: NVFP4Recipe, backend: str, gemm: str, y_dtype: torch.dtype) -> torch.Tensor:
+    """Y (M, N) of y_dtype for x (M, K): ``linear_fprop`` with W given, or x @ dequantized W^T."""
+    if gemm == "bf16":
+        y = x.to(y_dtype) @ R.dequantize(w).to(y_dtype).t()
+        return y if bias is None else y + bias.to(y_dtype)
+    be = resolved(backend)
+    return linear_fprop(be, x, None, bias, recipe, signs, y_dtype, False, False,
+                        w=be.prepare(w))[0]
+
+
+class NVFP4FrozenLinear(NVFP4Module):
+    """A frozen linear layer holding only its NVFP4 weight: ``y = x @ W^T + bias``.
+
+    Shapes as nn.Linear: (..., in_features) -> (..., out_features). Buffers: ``qdata`` uint8
+    (out, in / 2) E2M1 codes, even element in the low nibble; ``scale`` float8_e4m3fn, (out, in
+    / 16) 1x16 block scales or (out / 16, in / 16) tile scales when the checkpoint's rows agree
+    within each tile (a 2d-trained weight); ``outer_scale`` float32 () decode scale; ``bias``
+    (out,) or None; plus the recipe buffers of :class:`layer.NVFP4Module` (the SR stream of dY).
+    No high-precision copy of the weight is kept; ``weight`` is an :class:`NVFP4Tensor` view of
+    the buffers (dtype ``dtype``) for code that reads a layer's weight device and dtype (PEFT).
+
+    ``gemm``: "nvfp4" runs fprop (X quantized as ``recipe.spec(X_FPROP)``) and dgrad (dY as
+    ``DY_DGRAD``, SR from the layer's stream; W^T the exact transpose of tile-scaled weights, else
+    W requantized along N) as NVFP4 GEMMs on the recipe's backend: the forward of the trained
+    ``NVFP4Linear`` bit for bit; "bf16" multiplies by the weight dequantized for the call, in the
+    input's dtype (autocast's), nothing quantized.
+
+    Raises:
+        ValueError: shapes that disagree or are not multiples of 16; an unknown ``gemm``.
+        TypeError: ``qdata`` not uint8 or ``scale`` not float8_e4m3fn.
+    """
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, recipe: Optional[NVFP4Recipe] = None,
+                 dtype: torch.dtype = torch.bfloat16, gemm: str = "nvfp4", layer_seed: int = 0):
+        super().__init__()
+        _check_weight(qdata, scale, gemm)
+        w = weight_operand(qdata, scale, outer_scale.float())
+        self.out_features, self.in_features = qdata.shape[0], 2 * qdata.shape[1]
+        self.dtype, self.gemm, self.block = dtype, gemm, w.block
+        self.register_buffer("qdata", w.qdata)
+        self.register_buffer("scale", w.scale)
+        self.register_buffer("outer_scale", w.outer_scale)
+        self.register_buffer("bias", bias)
+        self._init_nvfp4(recipe, layer_seed, qdata.device)
+
+    @property
+    def operand(self) -> NVFP4Operand:
+        """The weight as an fprop operand (N, K), blocks along K."""
+        return NVFP4Operand(self.qdata, self.scale, self.outer_scale, self.block)
+
+    @property
+    def weight(self) -> NVFP4Tensor:
+        """The frozen weight (out, in) as an NVFP4Tensor (no copy); ``.dequantize()`` for values."""
+        return NVFP4Tensor.from_operand(self.operand, QuantSpec(self.block), self.dtype,
+                                        backend=self.recipe.backend.value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4FrozenLinear expects input (..., {self.in_features}), got "
+                             f"{tuple(x.shape)}")
+        backend = backend_name(self.recipe.backend.value, self.qdata.device)
+        y_dtype = out_dtype(x)
+        x2 = x.reshape(-1, self.in_features)
+        args = (self.qdata, self.scale, self.outer_scale, self.block, self.rht_signs,
+                self.sr_state(), self.recipe, backend, self.gemm, y_dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            if training(x):
+                y = _FrozenLinearFn.apply(x2, self.bias, *args)
+            else:
+                y = _fprop(self.operand, x2, self.bias, self.rht_signs, self.recipe, backend,
+                           self.gemm, y_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.block.value} scales, gemm={self.gemm}, "
+                f"{self.recipe_repr()}")
+
+
+def _check_weight(qdata: torch.Tensor, scale: torch.Tensor, gemm: str) -> None:
+    if gemm not in GEMMS:
+        raise ValueError(f"NVFP4FrozenLinear: gemm must be one of {GEMMS}, got {gemm!r}")
+    if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"NVFP4FrozenLinear takes uint8 codes and float8_e4m3fn scales, got "
+                        f"{qdata.dtype} and {scale.dtype}")
+    n, half_k = qdata.shape
+    if n % BLOCK or (2 * half_k) % BLOCK or tuple(scale.shape) != (n, 2 * half_k // BLOCK):
+        raise ValueError(f"NVFP4FrozenLinear: codes {tuple(qdata.shape)} and 1x16 scales "
+                         f"{tuple(scale.shape)} do not describe an (N, K) weight with N and K "
+                         f"multiples of {BLOCK}")
+
+
+# checkpoint layout -> (codes, block scales, global scale) tensor names, and whether the global
+# scale is an encode scale (2688 / amax: compressed-tensors) or a decode scale (ModelOpt)
+_LAYOUTS = {"compressed-tensors": (("weight_packed", "weight_scale", "weight_global_scale"), True),
+            "modelopt": (("weight", "weight_scale", "weight_scale_2"), False)}
+# activation scales of the checkpoint; the frozen layers quantize activations dynamically
+_INPUT_SCALES = ("input_global_scale", "input_scale")
+
+
+def checkpoint_format(path: str) -> str:
+    """The layout of checkpoint directory ``path``: "compressed-tensors" or "modelopt".
+
+    Raises:
+        ValueError: no config.json / hf_quant_config.json saying NVFP4 in one of the two layouts.
+    """
+    for name in ("config.json", "hf_quant_config.json"):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            continue
+        with open(file) as f:
+            data = json.load(f)
+        qc = data.get("quantization_config", data.get("quantization", {}))
+        if qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "nvfp4-pack-quantized":
+            return "compressed-tensors"
+        if qc.get("quant_algo") == "NVFP4":
+            return "modelopt"
+    raise ValueError(f"load_frozen: {path} holds no NVFP4 checkpoint config (config.json's "
+                     f"quantization_config: compressed-tensors format 'nvfp4-pack-quantized', or "
+                     f"ModelOpt quant_algo 'NVFP4')")
+
+
+def read_checkpoint(path: str) -> Tuple[str, Dict[str, Tuple[torch.Tensor, ...]], Dict[str, torch.Tensor]]:
+    """Read an NVFP4 checkpoint directory (every ``*.safetensors`` file in it).
+
+    Returns:
+        (layout, {layer fqn: (codes uint8 (N, K/2), scales float8_e4m3fn (N, K/16), decode
+        scale float32 ())}, {name: tensor} of everything else, activation scales left out).
+        A compressed-tensors global scale G becomes the decode scale ``1 / G`` (fp32 division:
+        training's outer scale bit for bit for an export of this package).
+    Raises:
+        ValueError: see :func:`checkpoint_format`; no safetensors file.
+    """
+    from safetensors.torch import load_file  # noqa: PLC0415  (optional dependency: [export])
+    layout = checkpoint_format(path)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"load_frozen: no *.safetensors file in {path}")
+    tensors = {k: v for file in files for k, v in load_file(file).items()}
+    (codes, scales, outer), encode = _LAYOUTS[layout]
+    layers = {}
+    for key in [k for k in tensors if k.endswith("." + outer)]:
+        fqn = key[: -len(outer) - 1]
+        g = tensors.pop(key).float().reshape(())
+        layers[fqn] = (tensors.pop(f"{fqn}.{codes}"), tensors.pop(f"{fqn}.{scales}"),
+                       R.decode_scale(g) if encode else g)
+        for name in _INPUT_SCALES:
+            tensors.pop(f"{fqn}.{name}", None)
+    return layout, layers, tensors
+
+
+def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = None,
+                gemm: str = "nvfp4") -> nn.Module:
+    """Load the NVFP4 checkpoint directory ``path`` into ``model`` as a frozen NVFP4 base.
+
+    Each linear the checkpoint holds in NVFP4 is replaced by an :class:`NVFP4FrozenLinear` (its
+    codes, scales and global scale; no high-precision weight); every other tensor of the
+    checkpoint is loaded into the model as it is (``load_state_dict(assign=True)``, so a model
+    built on the meta device is materialized by the load). The frozen layers take the dtype of the
+    layer they replace and ``recipe`` (default ``NVFP4Recipe()``) for their activation and
+    gradient quantization; ``gemm`` as in :class:`NVFP4FrozenLinear`. Parameters are not frozen
+    here: PEFT freezes the base model, or call ``requires_grad_(False)``.
+
+    Args:
+        model: the architecture of the checkpoint in high precision (a Hugging Face model from its
+            config, the main job's TinyLM, ...), on any device.
+        path: a directory written by :func:`serving.export` or another producer of either layout.
+    Returns:
+        ``model``.
+    Raises:
+        ValueError: see :func:`read_checkpoint`; a checkpoint layer missing from the model or
+            not an nn.Linear of its shape; checkpoint tensors the model lacks or model tensors the
+            checkpoint lacks (named).
+    """
+    _, layers, rest = read_checkpoint(path)
+    recipe = NVFP4Recipe() if recipe is None else recipe
+    modules = dict(model.named_modules())
+    for fqn, (qdata, scale, outer) in layers.items():
+        old = modules.get(fqn)
+        if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (qdata.shape[0], 2 * qdata.shape[1]):
+            raise ValueError(f"load_frozen: checkpoint layer {fqn!r} {tuple(qdata.shape)} packed is not an "
+                             f"nn.Linear of that shape in the model (found {type(old).__name__})")
+        device = old.weight.device if old.weight.device.type != "meta" else torch.device("cpu")
+        bias = rest.pop(f"{fqn}.bias", None)
+        new = NVFP4FrozenLinear(qdata.to(device), scale.to(device), outer.to(device),
+                                None if bias is None else bias.to(device, old.weight.dtype),
+                                recipe, old.weight.dtype, gemm)
+        parent, _, name = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), name, new)
+    result = model.load_state_dict(rest, strict=False, assign=True)
+    frozen = {f"{fqn}.{k}" for fqn in layers for k in model.get_submodule(fqn).state_dict()}
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"load_frozen: the checkpoint does not match the model: missing "
+                         f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    return model
+
+
+def lora_config(**kwargs):
+    """A ``peft.LoraConfig(**kwargs)`` that puts PEFT's ``lora.Linear`` on NVFP4FrozenLinear layers
+    (PEFT's custom-module dispatch, ``LoraConfig._register_custom_module``). Raises ImportError
+    when peft is not installed."""
+    from peft import LoraConfig  # noqa: PLC0415  (optional dependency)
+    from peft.tuners.lora.layer import Linear  # noqa: PLC0415
+    config = LoraConfig(**kwargs)
+    config._register_custom_module({NVFP4FrozenLinear: Linear})
+    return config
