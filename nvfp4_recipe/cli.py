@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true",
                      help="write into an --out that already holds results of an earlier run, "
                           "replacing them")
+    run.add_argument("--export", metavar="DIR",
+                     help="write each NVFP4 recipe's trained model to DIR/<recipe>/ as an NVFP4 "
+                          "checkpoint (compressed-tensors layout, docs/serving.md); DIR must not "
+                          "exist or be empty")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return parser
 

@@ -7,6 +7,7 @@ trains data-parallel (``parallel.py``); rank 0 reports.
 """
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -19,9 +20,12 @@ from typing import Optional, Sequence
 import torch
 
 from ..backends import get_backend
+from ..frozen import load_frozen
+from ..serving import export, record_amaxes
 from . import data as D
-from .config import DESCRIPTIONS, EXIT_INTERRUPTED, MOE_EXPERTS, MOE_TOP_K, PROG, check_recipes
-from .loop import train_run
+from .config import (DESCRIPTIONS, EXIT_INTERRUPTED, MOE_EXPERTS, MOE_TOP_K, PROG, ModelConfig,
+                     check_recipes)
+from .loop import evaluate, train_run
 from .model import TinyLM, count_params
 from .parallel import DataParallel
 from .presets import PRESETS, preset_config
@@ -156,6 +160,36 @@ def _check_out(out: str, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: cannot write there: {e.strerror or e}") from None
 
 
+def _check_export(directory: Optional[str]) -> None:
+    """Raises ValueError when --export names a file or a directory that is not empty."""
+    if directory is not None and os.path.exists(directory) and (
+            not os.path.isdir(directory) or os.listdir(directory)):
+        raise ValueError(f"--export {directory}: exists and is not an empty directory")
+
+
+# config.json's entry holding the TinyLM shape of an --export checkpoint (servers ignore it)
+EXPORT_CONFIG_KEY = "nvfp4_recipe_tinylm"
+
+
+def export_trained(model: torch.nn.Module, cfg, batches: D.Batches, device, dtype, path: str) -> str:
+    """Write a trained NVFP4 TinyLM to ``path`` as a compressed-tensors NVFP4 checkpoint, its
+    activation global scales from the amaxes one validation pass gives (``serving.record_amaxes``)."""
+    with record_amaxes(model) as amaxes:
+        evaluate(model, batches, cfg, device, dtype)
+    return export(model, path, "compressed-tensors", input_amax=amaxes,
+                  config={EXPORT_CONFIG_KEY: asdict(cfg.model_config())})
+
+
+def load_exported(path: str, recipe, device) -> TinyLM:
+    """The TinyLM of an :func:`export_trained` checkpoint with a frozen NVFP4 base
+    (``frozen.load_frozen``) under ``recipe``: the trained model's logits, bit for bit."""
+    with open(os.path.join(path, "config.json")) as f:
+        shape = ModelConfig(**json.load(f)[EXPORT_CONFIG_KEY])
+    with torch.device("meta"):
+        model = TinyLM(shape)
+    return load_frozen(model, path, recipe).to(device)
+
+
 def _prepare(args):
     """Validate everything, cheapest first, then load the data, so that a bad argument fails
     before any slow work: (cfg, corpus, batches, device, dtype, precision label, out directory,
@@ -165,6 +199,7 @@ def _prepare(args):
         ValueError, FileNotFoundError: a bad argument (the message is the one-line error).
     """
     check_recipes(args.recipes)
+    _check_export(args.export)
     cfg, max_bytes = _config_from_args(args)
     if not 0 < args.val_fraction < 1:
         raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
@@ -246,6 +281,17 @@ def train_command(args, argv: Sequence[str]) -> int:
             parallel.close()
 
 
+def _exporter(directory: Optional[str], name: str, cfg, batches, device, dtype):
+    """train_run's on_trained for --export: the NVFP4 recipes' models go to DIR/<recipe>."""
+    if directory is None or make_recipe(name, cfg.seed, cfg.backend) is None:
+        return None
+
+    def write(model):
+        path = export_trained(model, cfg, batches, device, dtype, os.path.join(directory, name))
+        print(f"{name}: exported the NVFP4 model to {path} (compressed-tensors)", flush=True)
+    return write
+
+
 def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision, out,
                       parallel) -> int:
     """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
@@ -255,7 +301,8 @@ def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, pr
     try:
         for name in args.recipes:
             result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress,
-                               parallel=parallel)
+                               parallel=parallel, on_trained=_exporter(args.export, name, cfg,
+                                                                      batches, device, dtype))
             results.append(result)
             print(f"{name}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} nats, "
                   f"{result.wall_s:.0f} s, {result.mode} steps", flush=True)

@@ -147,7 +147,8 @@ def captured(step: Callable[[], torch.Tensor]):
 
 def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.device,
               dtype: Optional[torch.dtype], progress: bool = True,
-              parallel: Optional[DataParallel] = None) -> RunResult:
+              parallel: Optional[DataParallel] = None,
+              on_trained: Optional[Callable[[torch.nn.Module], None]] = None) -> RunResult:
     """Train one recipe for ``cfg.steps`` steps and evaluate it.
 
     Args:
@@ -159,6 +160,8 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         parallel: data parallelism over torchrun's processes (:mod:`.parallel`): the model in DDP,
             each rank its share of every batch; rank 0 evaluates (the others' val losses are NaN)
             and tokens/s counts the tokens of all ranks.
+        on_trained: called with the trained model (not the DDP wrapper) after a run that ended
+            "ok" (``--export``).
     Returns:
         :class:`RunResult`; a non-finite training loss stops the run early with status saying so.
         The step mode (``cfg.step_mode``) changes the speed, never the numbers.
@@ -236,6 +239,8 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         _sync(device)
     finally:
         bar.close()
+    if on_trained is not None and status == "ok":
+        on_trained(evaluated)
     curve = torch.stack(losses).float().cpu().tolist() if losses else []
     steps_done = len(curve)
     timed_steps = steps_done - warm

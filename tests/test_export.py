@@ -1,0 +1,189 @@
+"""serving.export: the NVFP4 weights training used, read back by the real readers (compressed-tensors,
+Hugging Face from_pretrained) and checked against ModelOpt's documented layout; the main job's
+--export round trip."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import nvfp4_recipe as N
+from nvfp4_recipe import cli
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.formats import e2m1_decode, unpack_nibbles
+from nvfp4_recipe.serving import export, record_amaxes
+from nvfp4_recipe.train import job
+from nvfp4_recipe.train.recipes import make_recipe
+
+safetensors = pytest.importorskip("safetensors.torch")
+ct = pytest.importorskip("compressed_tensors")
+
+
+def trained_model(recipe=None, dtype=torch.float32, seed=0):
+    """LayerNorm + two NVFP4Linears after one SGD step on random data, and its recorded amaxes."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48)).to(dtype)
+    N.quantize_(model, recipe or N.NVFP4Recipe())
+    x = torch.randn(32, 64, dtype=dtype)
+    model(x).float().square().mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.05 * p.grad
+    with record_amaxes(model) as amaxes:
+        model(x)
+        model(3 * torch.randn(16, 64, dtype=dtype))
+    return model, amaxes
+
+
+def layers(model):
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, N.NVFP4Linear)}
+
+
+def read(path):
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return config, safetensors.load_file(os.path.join(path, "model.safetensors"))
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_compressed_tensors_decompresses_the_weight_training_used(tmp_path, weight_2d):
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    model, amaxes = trained_model(N.NVFP4Recipe(weight_2d=weight_2d), torch.bfloat16)
+    export(model, str(tmp_path / "ct"), input_amax=amaxes)
+    config, tensors = read(tmp_path / "ct")
+    scheme = QuantizationConfig.model_validate(config["quantization_config"]).config_groups["group_0"]
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    for fqn, layer in layers(model).items():
+        used = layer.quantized_weight()
+        state = {k[len(fqn) + 1:]: v for k, v in tensors.items() if k.startswith(fqn + ".")}
+        weight = NVFP4PackedCompressor.decompress(state, scheme)["weight"]
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(weight.view(torch.int16), used.dequantize(torch.bfloat16).view(torch.int16))
+        assert torch.equal(state["weight_packed"], used.qdata)
+        # the encode-scale convention: 1 / weight_global_scale is training's outer scale, bit for bit
+        assert torch.equal(torch.ones(1) / state["weight_global_scale"], used.outer_scale.reshape(1))
+        assert torch.equal(state["input_global_scale"], R.encode_scale(amaxes[fqn]).reshape(1))
+        assert amaxes[fqn] > 0
+
+
+def test_hugging_face_loads_the_compressed_tensors_export(tmp_path):
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    N.quantize_(model, N.NVFP4Recipe(keep_bf16=("lm_head",)))
+    with record_amaxes(model) as amaxes:
+        model(torch.randint(0, 128, (2, 16)))
+    path = export(model, str(tmp_path / "llama"), input_amax=amaxes)
+    assert read(path)[0]["quantization_config"]["ignore"] == ["lm_head"]
+    dense = AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    packed = dict(AutoModelForCausalLM.from_pretrained(path).named_buffers())
+    packed.update(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    hf = dict(dense.named_parameters())
+    for fqn, layer in layers(model).items():
+        used = layer.quantized_weight()
+        assert torch.equal(hf[fqn + ".weight"].view(torch.int16), used.dequantize().view(torch.int16))
+        assert torch.equal(packed[fqn + ".weight_packed"], used.qdata)
+    assert torch.equal(hf["lm_head.weight"], model.lm_head.weight)
+    assert torch.equal(hf["model.norm.weight"], model.model.norm.weight)
+
+
+def test_modelopt_layout_is_the_documented_one(tmp_path):
+    """ModelOpt's HF NVFP4 export: weight uint8 (N, K/2) low nibble first, weight_scale E4M3 (N, K/16),
+    weight_scale_2 = amax / 2688 and input_scale = input amax / 2688 (fp32 scalars), a value being
+    code * (weight_scale * weight_scale_2) (NVFP4QTensor.dequantize); hf_quant_config.json."""
+    model, amaxes = trained_model(N.NVFP4Recipe(), torch.bfloat16, seed=2)
+    export(model, str(tmp_path / "mo"), "modelopt", input_amax=amaxes)
+    config, tensors = read(tmp_path / "mo")
+    with open(tmp_path / "mo" / "hf_quant_config.json") as f:
+        hf_quant = json.load(f)
+    assert hf_quant["quantization"] == {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                        "group_size": 16, "exclude_modules": []}
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    for fqn, layer in layers(model).items():
+        used = layer.quantized_weight()
+        w, scale, scale_2 = (tensors[f"{fqn}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2"))
+        assert (w.dtype, scale.dtype, scale_2.dtype) == (torch.uint8, torch.float8_e4m3fn, torch.float32)
+        assert w.shape == (layer.out_features, layer.in_features // 2)
+        assert scale.shape == (layer.out_features, layer.in_features // 16) and scale_2.shape == ()
+        assert torch.equal(scale_2, used.outer_scale)
+        assert torch.equal(tensors[f"{fqn}.input_scale"], R.decode_scale(R.encode_scale(amaxes[fqn])))
+        codes = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)
+        per_block = scale.float() * scale_2
+        deq = (e2m1_decode(codes).unflatten(-1, (-1, 16)) * per_block[..., None]).flatten(-2)
+        assert torch.equal(deq.bfloat16().view(torch.int16), used.dequantize().view(torch.int16))
+        assert torch.equal(unpack_nibbles(w), unpack_nibbles(used.qdata))
+    assert torch.equal(tensors["0.weight"], model[0].weight) and "1.sr_seed" not in tensors
+
+
+def test_without_amaxes_compressed_tensors_activations_are_dynamic(tmp_path):
+    from compressed_tensors.quantization import QuantizationConfig
+    model, _ = trained_model()
+    config, tensors = read(export(model, str(tmp_path / "dyn")))
+    group = QuantizationConfig.model_validate(config["quantization_config"]).config_groups["group_0"]
+    assert group.input_activations.dynamic is True
+    assert not any(k.endswith("input_global_scale") for k in tensors)
+
+
+def test_bad_input_is_named(tmp_path):
+    model, amaxes = trained_model()
+    with pytest.raises(ValueError, match="unknown format 'gguf'"):
+        export(model, str(tmp_path / "a"), "gguf")
+    with pytest.raises(ValueError, match="no NVFP4Linear"):
+        export(nn.Sequential(nn.Linear(16, 16)), str(tmp_path / "b"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ValueError, match="not an empty directory"):
+        export(model, str(tmp_path / "full"))
+    with pytest.raises(ValueError, match="modelopt layout needs static input scales"):
+        export(model, str(tmp_path / "c"), "modelopt")
+    with pytest.raises(ValueError, match="no entry for 1 NVFP4 layers, e.g. '3'"):
+        export(model, str(tmp_path / "d"), input_amax={"1": amaxes["1"]})
+    with pytest.raises(TypeError, match="nn.Module"):
+        export("model", str(tmp_path / "e"))
+
+
+def test_per_token_recipes_are_refused_unless_converted(tmp_path):
+    model, amaxes = trained_model(N.NVFP4Recipe(scaling="per_token"))
+    with pytest.raises(ValueError, match="per-token activation scales.*allow_per_token=True"):
+        export(model, str(tmp_path / "a"), input_amax=amaxes)
+    _, tensors = read(export(model, str(tmp_path / "b"), input_amax=amaxes, allow_per_token=True))
+    assert torch.equal(tensors["1.input_global_scale"], R.encode_scale(amaxes["1"]).reshape(1))
+
+
+def test_train_export_round_trip_gives_the_trained_logits(tmp_path, monkeypatch):
+    trained = {}
+    real_export = job.export_trained
+
+    def keep(model, *args):
+        trained["model"] = model
+        return real_export(model, *args)
+
+    monkeypatch.setattr(job, "export_trained", keep)
+    status = cli.main(["train", "--preset", "tiny", "--recipes", "bf16", "nvfp4", "--steps", "3",
+                       "--precision", "fp32", "--no-progress", "--out", str(tmp_path / "out"),
+                       "--export", str(tmp_path / "export")])
+    assert status == 0
+    assert os.listdir(tmp_path / "export") == ["nvfp4"]  # the baseline has nothing in NVFP4
+    loaded = job.load_exported(str(tmp_path / "export" / "nvfp4"), make_recipe("nvfp4", 0, "auto"), "cpu")
+    assert not any(isinstance(m, N.NVFP4Linear) for m in loaded.modules())
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), trained["model"](tokens))
+
+
+def test_export_directory_is_checked_before_training(tmp_path, capsys):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "f").write_text("x")
+    status = cli.main(["train", "--preset", "tiny", "--out", str(tmp_path / "out"),
+                       "--export", str(tmp_path / "busy")])
+    assert status == cli.EXIT_USAGE
+    assert "--export" in capsys.readouterr().err
