@@ -18,11 +18,19 @@ from typing_extensions import Doc
 
 from .formats import BLOCK, FLT_MAX
 from .reference import DEFAULT_RHT_SIGNS
-from .spec import BackendName, Block, GemmRole, QuantSpec, Rounding, Scaling, enum_values, parse_enum
+from .spec import (FOUR_OVER_SIX_E4M3_MAX, BackendName, Block, FourOverSix, FourOverSixError,
+                   FourOverSixOperands, GemmRole, QuantSpec, Rounding, Scaling, enum_values, parse_enum)
 
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
 # fewer than 2**35 elements (16 elements per counter).
 SR_OFFSETS = {GemmRole.DY_DGRAD: 0, GemmRole.DY_WGRAD: 2**31}
+
+# The operands each ``four_over_six`` setting quantizes with 4/6 (W^T is W's exact transpose).
+_FOUR_OVER_SIX_ROLES = {
+    FourOverSixOperands.WEIGHTS: (GemmRole.W_FPROP,),
+    FourOverSixOperands.ACTIVATIONS: (GemmRole.W_FPROP, GemmRole.X_FPROP, GemmRole.X_WGRAD),
+    FourOverSixOperands.ALL: tuple(GemmRole),
+}
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -110,6 +118,15 @@ class NVFP4Recipe(AOBaseConfig):
         backend: a :class:`~nvfp4_recipe.spec.BackendName`: AUTO ("auto": triton on CUDA GPUs,
             reference on CPU), REFERENCE, TRITON or NATIVE (opt-in, untested on a Blackwell GPU).
         seed: base seed of the per-layer SR streams, an int in [0, 2**31).
+        four_over_six: None, or a :class:`~nvfp4_recipe.spec.FourOverSixOperands`: the operands
+            quantized with 4/6 block scaling (docs/numerics.md), cumulative: WEIGHTS ("weights":
+            W and W^T), ACTIVATIONS ("activations": the weights and X, X^T) or ALL ("all": also
+            dY and dY^T).
+        four_over_six_error: a :class:`~nvfp4_recipe.spec.FourOverSixError`, MAE ("mae") or
+            MSE ("mse"): the error 4/6 picks each block's scale by.
+        four_over_six_e4m3_max: 256 (the paper's) or 448: the E4M3 bound of the 4/6 outer scale.
+        four_over_six_fast_math: measure the 4/6 error on the scaled values (TE's fast math).
+        The three four_over_six_* fields keep their defaults unless four_over_six is set.
 
     Raises:
         ValueError: ``"NVFP4Recipe.<field>: ..."`` at construction (and at ``dataclasses.replace``)
@@ -133,6 +150,13 @@ class NVFP4Recipe(AOBaseConfig):
     backend: BackendName = _field(
         BackendName.AUTO, "auto: triton on CUDA GPUs, reference on the CPU (native: opt-in, untested)")
     seed: int = _field(0, "base seed of the per-layer SR streams")
+    four_over_six: Optional[FourOverSixOperands] = _field(
+        None, "4/6 block scaling on the weights, also the activations, or all operands")
+    four_over_six_error: FourOverSixError = _field(
+        FourOverSixError.MAE, "the error 4/6 picks each block's scale by")
+    four_over_six_e4m3_max: int = _field(256, "E4M3 bound of the 4/6 outer scale: 256 or 448")
+    four_over_six_fast_math: bool = _field(
+        False, "4/6 error on the scaled values (TransformerEngine's fast math)")
 
     def __post_init__(self):
         for name in ("rht", "stochastic_rounding", "weight_2d"):
@@ -152,10 +176,28 @@ class NVFP4Recipe(AOBaseConfig):
                f"must be an int in [0, 2**31), got {self.seed!r}")
         self._set("keep_first_last", int(self.keep_first_last))
         self._set("seed", int(self.seed))
+        self._check_four_over_six()
         # Not a field: left out of ==, hash and replace; spec() is asked on every layer step.
         specs = {role: self._quant_spec(role) for role in GemmRole}
         # by member and by value: spec(role) is then one dict lookup, which torch.compile traces
         self._set("_specs", {**specs, **{role.value: s for role, s in specs.items()}})
+
+    def _check_four_over_six(self) -> None:
+        if self.four_over_six is not None:
+            self._set("four_over_six", parse_enum(FourOverSixOperands, self.four_over_six,
+                                                  "NVFP4Recipe.four_over_six"))
+        self._set("four_over_six_error", parse_enum(FourOverSixError, self.four_over_six_error,
+                                                    "NVFP4Recipe.four_over_six_error"))
+        bound = self.four_over_six_e4m3_max
+        _check(_is_int(bound) and bound in FOUR_OVER_SIX_E4M3_MAX, "four_over_six_e4m3_max",
+               f"must be one of {FOUR_OVER_SIX_E4M3_MAX}, got {bound!r}")
+        self._set("four_over_six_e4m3_max", int(bound))
+        _check(isinstance(self.four_over_six_fast_math, bool), "four_over_six_fast_math",
+               f"must be a bool, got {self.four_over_six_fast_math!r}")
+        if self.four_over_six is None:
+            for f in fields(self):
+                if f.name.startswith("four_over_six_"):
+                    _check(getattr(self, f.name) == f.default, f.name, "given, but four_over_six=None")
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -165,14 +207,22 @@ class NVFP4Recipe(AOBaseConfig):
         args = ", ".join(f"{f.name}={_plain(getattr(self, f.name))!r}" for f in fields(self))
         return f"{type(self).__name__}({args})"
 
+    def _four_over_six(self, role: GemmRole) -> Optional[FourOverSix]:
+        if self.four_over_six is None or role not in _FOUR_OVER_SIX_ROLES[self.four_over_six]:
+            return None
+        return FourOverSix(self.four_over_six_error, self.four_over_six_e4m3_max,
+                           self.four_over_six_fast_math)
+
     def _quant_spec(self, role: GemmRole) -> QuantSpec:
+        fos = self._four_over_six(role)
         if role is GemmRole.W_FPROP:
-            return QuantSpec(Block.D2 if self.weight_2d else Block.D1)
+            return QuantSpec(Block.D2 if self.weight_2d else Block.D1, four_over_six=fos)
         amax_scale = None
         if role.is_wgrad and self.amax_estimation is not None:
             amax_scale = self.amax_estimation[1 if role.is_gradient else 0]
         rounding = Rounding.SR if role.is_gradient and self.stochastic_rounding else Rounding.RN
-        return QuantSpec(Block.D1, self.scaling, rounding, role.is_wgrad and self.rht, amax_scale)
+        return QuantSpec(Block.D1, self.scaling, rounding, role.is_wgrad and self.rht, amax_scale,
+                         fos)
 
     def spec(self, role: Union[GemmRole, str]) -> QuantSpec:
         """How the operand ``role`` (a GemmRole or its value, e.g. "dy_dgrad") of a linear's three

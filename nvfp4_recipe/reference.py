@@ -13,8 +13,8 @@ from typing import Optional, Union
 import torch
 
 from .operand import NVFP4Operand
-from .spec import Block, QuantSpec, Scaling
-from .formats import (BLOCK, E2M1_MAX, E4M3_MAX, FLT_MAX, FP4_RANGE, e2m1_decode, e2m1_encode_rn,
+from .spec import Block, FourOverSix, FourOverSixError, QuantSpec, Scaling
+from .formats import (BLOCK, E2M1_MAX, E4M3_MAX, FLT_MAX, e2m1_decode, e2m1_encode_rn,
                       e2m1_floor_code, pack_nibbles, unpack_nibbles)
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -171,8 +171,9 @@ def amax(x: torch.Tensor, scaling: Scaling) -> torch.Tensor:
     return a.amax(dim=-1) if per_token else a.amax()
 
 
-def encode_scale(amax_: torch.Tensor) -> torch.Tensor:
-    """The outer encode scale ``S_enc = min(2688 / amax, FLT_MAX)`` in fp32 (spec item 1).
+def encode_scale(amax_: torch.Tensor, e4m3_max: float = E4M3_MAX) -> torch.Tensor:
+    """The outer encode scale ``S_enc = min(6 * e4m3_max / amax, FLT_MAX)`` in fp32 (spec item 1:
+    2688 / amax; with 4/6 the bound ``e4m3_max`` may be 256, item 11).
 
     amax 0 gives FLT_MAX (an all-zero tensor or row then quantizes to zeros with finite scales);
     amax Inf gives 0 and NaN gives NaN, so the decode scale 1 / S_enc is non-finite (item 9; TE
@@ -181,7 +182,7 @@ def encode_scale(amax_: torch.Tensor) -> torch.Tensor:
     amax_ = amax_.float()
     # Tensor operands: PyTorch's CUDA kernels divide by a Python scalar as a multiplication by its
     # reciprocal (not IEEE division, so CPU and GPU results would differ); a tensor gets true division.
-    return torch.clamp(torch.full_like(amax_, FP4_RANGE) / amax_, max=FLT_MAX)
+    return torch.clamp(torch.full_like(amax_, E2M1_MAX * e4m3_max) / amax_, max=FLT_MAX)
 
 
 def decode_scale(s_enc: torch.Tensor) -> torch.Tensor:
@@ -224,6 +225,72 @@ def value_scales(scale: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
     return torch.clamp(1.0 / (scale.float() * s_dec), max=FLT_MAX)
 
 
+def _candidate_error(x16: torch.Tensor, scale: torch.Tensor, enc: torch.Tensor,
+                     s_enc: torch.Tensor, amax_: torch.Tensor, fos: FourOverSix) -> torch.Tensor:
+    """The RN error of one 4/6 candidate over the last axis of fp32 ``x16`` (..., 16), its E4M3
+    block scale ``scale`` and value encode scale ``enc`` broadcasting against (...): the E2M1
+    values q of ``clamp(x * enc, -6, 6)``, then per element ``q * sf * amax / (6 * e4m3_max) - x``
+    (fast math: ``q * sf - x * S_enc``), its absolute value (MAE) or square (MSE), summed in
+    element order. Source: TE's ``_quantize_blockwise_4over6_reference``."""
+    q = e2m1_decode(e2m1_encode_rn(torch.clamp(x16 * enc[..., None], -E2M1_MAX, E2M1_MAX)))
+    val = q * scale.float()[..., None]
+    if fos.fast_math:
+        # TE decodes q * sf as an fp16 product, which holds it exactly (at most 8 significant bits)
+        d = val - x16 * s_enc[..., None]
+    else:
+        denom = torch.full((), E2M1_MAX * fos.e4m3_max, device=x16.device)  # true division on CUDA
+        d = val * amax_[..., None] / denom - x16
+    e = d * d if fos.error is FourOverSixError.MSE else d.abs()
+    err = e[..., 0]
+    for i in range(1, BLOCK):
+        err = err + e[..., i]
+    return err
+
+
+def _tile_sum(err: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis of 16 tile-row errors in TE's tree order (its CUDA warp reduction,
+    ``_sum_4over6_2d_error``): rows i and i + 8, then i and i + 4, i + 2, i + 1."""
+    while err.shape[-1] > 1:
+        half = err.shape[-1] // 2
+        err = err[..., :half] + err[..., half:]
+    return err[..., 0]
+
+
+def four_over_six_scales(blocks: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
+                         amax_: torch.Tensor, fos: FourOverSix, block: Block):
+    """4/6 block scales (spec item 11) of (..., 16) 1d blocks or (M/16, K/16, 256) 2d tiles
+    (``_block_view``; fp32, rows of 16 in row-major order), with fp32 ``s_enc``, ``s_dec`` and
+    ``amax_`` (the amax S_enc comes from) broadcasting against the block axis.
+
+    Both candidates from ``base = (block_amax / 6) * S_enc``: map-to-6 ``e4m3(clamp(base, -448,
+    448))`` and map-to-4 ``e4m3(clamp(base * 1.5, -448, 448))``, each with its value encode scale
+    ``min(1 / (float(sf) * S_dec), FLT_MAX)``; map-to-4 wins where its RN error
+    (:func:`_candidate_error`; a tile's 16 row errors summed by :func:`_tile_sum`) is strictly
+    smaller. Source: TE main, ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
+    (``NVFP4QuantizerRef._quantize_blockwise_4over6_reference``, PR 2972); arXiv 2512.02010.
+
+    Returns:
+        (E4M3 block scales, fp32 value encode scales), each of shape ``blocks.shape[:-1]``.
+    """
+    base = blocks.abs().amax(dim=-1) / torch.full((), E2M1_MAX, device=blocks.device) * s_enc
+    cands = []
+    for s in (base * 1.5, base):
+        scale = torch.clamp(s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        cands.append((scale, value_scales(scale, s_dec)))
+    errs = []
+    for scale, enc in cands:
+        if block is Block.D2:
+            rows = blocks.reshape(*blocks.shape[:-1], BLOCK, BLOCK)
+            errs.append(_tile_sum(_candidate_error(rows, scale[..., None], enc[..., None],
+                                                   s_enc[..., None], amax_[..., None], fos)))
+        else:
+            errs.append(_candidate_error(blocks, scale, enc, s_enc, amax_, fos))
+    pick4 = errs[0] < errs[1]  # ties (and NaN) keep map-to-6
+    (s4, e4), (s6, e6) = cands
+    return torch.where(pick4, s4.view(torch.uint8), s6.view(torch.uint8)).view(torch.float8_e4m3fn), \
+        torch.where(pick4, e4, e6)
+
+
 def round_sr(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding of float32 ``v`` to E2M1 codes with 8 random bits per element (item 6).
 
@@ -250,7 +317,7 @@ def round_sr(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTensor = 0,
              offset: IntOrTensor = 0, rht_signs: Optional[torch.Tensor] = None,
              amax_: Optional[torch.Tensor] = None) -> NVFP4Operand:
-    """Quantize a high-precision tensor to NVFP4 with TransformerEngine's chain (spec items 1-10).
+    """Quantize a high-precision tensor to NVFP4 with TransformerEngine's chain (spec items 1-11).
 
     In fp32 and in this order: ``S_enc = min(2688 / amax, FLT_MAX)``, ``S_dec = 1 / S_enc``;
     block scale ``sf = e4m3(clamp(min(block_amax * (S_enc * (1/6)), FLT_MAX), -448, 448))``;
@@ -264,7 +331,9 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
         spec: block (1d: 1x16 along K; 2d: 16x16 tiles of a 2-D tensor), scaling (per tensor,
             or per token: one outer scale per row, shape (..., M)), rounding (RN or SR), rht
             (quantize ``rht(x, rht_signs)``, rounded to x's dtype, spec item 7) and amax_scale
-            (use ``amax_scale * amax(x)`` as the amax, spec item 8).
+            (use ``amax_scale * amax(x)`` as the amax, spec item 8) and four_over_six (block
+            scales by :func:`four_over_six_scales`, after the RHT if any; with SR the block is
+            rounded stochastically under the scale its RN error chose, item 11).
         seed, offset: the SR stream, see :func:`sr_bits`; ignored for RN.
         rht_signs: (16,) +-1 RHT signs, needed when ``spec.rht``.
         amax_: overrides the amax (scalar or (..., M)); the backends pass the estimate here.
@@ -281,12 +350,17 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
         amax_ = amax(x if spec.amax_scale is not None else xf, spec.scaling)
         if spec.amax_scale is not None:
             amax_ = spec.amax_scale * amax_
-    s_enc = encode_scale(amax_)
+    fos = spec.four_over_six
+    s_enc = encode_scale(amax_, E4M3_MAX if fos is None else fos.e4m3_max)
     s_dec = decode_scale(s_enc)
-    enc_b, dec_b = (s_enc[..., None], s_dec[..., None]) if spec.per_token else (s_enc, s_dec)
     blocks = _block_view(xf, spec.block)
-    scale = block_scales(blocks, enc_b)
-    enc = value_scales(scale, dec_b)
+    per_token = (lambda t: t[..., None]) if spec.per_token else (lambda t: t)
+    if fos is None:
+        scale = block_scales(blocks, per_token(s_enc))
+        enc = value_scales(scale, per_token(s_dec))
+    else:
+        scale, enc = four_over_six_scales(blocks, per_token(s_enc), per_token(s_dec),
+                                          per_token(amax_.float()), fos, spec.block)
     v = torch.clamp(blocks * enc[..., None], -E2M1_MAX, E2M1_MAX)
     v = _unblock(v, xf.shape, spec.block)
     if spec.sr:

@@ -63,6 +63,56 @@ class Rounding(_StrEnum):
     SR = "sr"
 
 
+class FourOverSixError(_StrEnum):
+    """The error by which 4/6 picks a block's scale: sum of absolute or of squared errors."""
+
+    MAE = "mae"
+    MSE = "mse"
+
+
+class FourOverSixOperands(_StrEnum):
+    """The operands of a linear that a recipe quantizes with 4/6: the weight (W and its
+    transpose), also the activations (X, X^T), or all (also dY and dY^T)."""
+
+    WEIGHTS = "weights"
+    ACTIVATIONS = "activations"
+    ALL = "all"
+
+
+# The E4M3 bounds the 4/6 outer scale may map the amax to (TE's ``nvfp4_e4m3_max``): 448 as
+# without 4/6, or 256, which leaves the 1.5x map-to-4 scale of the largest block unclipped.
+FOUR_OVER_SIX_E4M3_MAX = (256, 448)
+
+
+@dataclass(frozen=True)
+class FourOverSix:
+    """4/6 adaptive block scaling of one operand (docs/numerics.md; TransformerEngine's
+    ``NVFP4QuantizerRef(nvfp4_use_4over6=True)``, arXiv 2512.02010): each block's scale maps its
+    amax to 6 or to 4, whichever quantizes it (RN) with the smaller error.
+
+    Fields:
+        error: FourOverSixError.MAE ("mae") or MSE ("mse"), summed over a block's elements.
+        e4m3_max: 256 or 448, the E4M3 bound of the outer scale: S_enc = 6 * e4m3_max / amax.
+        fast_math: measure the error on the scaled values (candidate x E4M3 scale against
+            x * S_enc, TE's ``nvfp4_4over6_err_use_fast_math``) rather than in x's domain.
+
+    Raises:
+        ValueError: an unknown error mode, another bound, a fast_math that is not a bool.
+    """
+
+    error: FourOverSixError = FourOverSixError.MAE
+    e4m3_max: int = 448
+    fast_math: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "error", parse_enum(FourOverSixError, self.error, "error"))
+        if isinstance(self.e4m3_max, bool) or self.e4m3_max not in FOUR_OVER_SIX_E4M3_MAX:
+            raise ValueError(f"e4m3_max: must be one of {FOUR_OVER_SIX_E4M3_MAX}, got {self.e4m3_max!r}")
+        object.__setattr__(self, "e4m3_max", int(self.e4m3_max))
+        if not isinstance(self.fast_math, bool):
+            raise ValueError(f"fast_math: must be a bool, got {self.fast_math!r}")
+
+
 class BackendName(_StrEnum):
     """The implementation NVFP4 GEMMs run on: AUTO picks NATIVE on sm100+, TRITON on other CUDA
     GPUs, REFERENCE (plain PyTorch, the numerics spec) elsewhere."""
@@ -107,11 +157,12 @@ class QuantSpec:
         rht: quantize the 16-point random Hadamard transform of the operand along K.
         amax_scale: None (measure the amax of what is quantized) or the factor applied to the
             amax of the untransformed operand instead (amax estimation, spec item 8).
+        four_over_six: None, or the :class:`FourOverSix` block scaling (spec item 11).
     Strings are accepted for the enum fields and converted.
 
     Raises:
-        ValueError: an unknown enum value, 2d blocks with per-token scaling, or an amax_scale
-            that is not a finite positive number.
+        ValueError: an unknown enum value, 2d blocks with per-token scaling, an amax_scale
+            that is not a finite positive number, or a four_over_six that is not a FourOverSix.
     """
 
     block: Block = Block.D1
@@ -119,6 +170,7 @@ class QuantSpec:
     rounding: Rounding = Rounding.RN
     rht: bool = False
     amax_scale: Optional[float] = None
+    four_over_six: Optional[FourOverSix] = None
 
     def __post_init__(self):
         for name, kind in (("block", Block), ("scaling", Scaling), ("rounding", Rounding)):
@@ -127,6 +179,8 @@ class QuantSpec:
             raise ValueError("2d blocks take a per-tensor outer scale; per_token scaling needs 1d blocks")
         if self.amax_scale is not None and not (math.isfinite(self.amax_scale) and self.amax_scale > 0):
             raise ValueError(f"amax_scale must be None or a finite positive number, got {self.amax_scale!r}")
+        if self.four_over_six is not None and not isinstance(self.four_over_six, FourOverSix):
+            raise ValueError(f"four_over_six must be None or a FourOverSix, got {self.four_over_six!r}")
 
     @property
     def sr(self) -> bool:

@@ -20,7 +20,7 @@ from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe, _is_int, parse_signs
-from .spec import Block, QuantSpec
+from .spec import Block, FourOverSix, QuantSpec
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,6 +60,26 @@ def _check_stream_arg(value, name: str) -> R.IntOrTensor:
     if not 0 <= value < 2**63:
         raise ValueError(what)
     return int(value)
+
+
+def _four_over_six(error, e4m3_max, fast_math) -> Optional[FourOverSix]:
+    """from_hp's 4/6 arguments as a spec field (None without 4/6).
+
+    Raises:
+        ValueError: ``"from_hp: <argument>: ..."`` for a bad value, or a bound or fast_math
+            given with ``four_over_six=None``.
+    """
+    if error is None:
+        if e4m3_max != 448 or fast_math is not False:
+            raise ValueError("from_hp: four_over_six_e4m3_max / four_over_six_fast_math given, but "
+                             "four_over_six=None")
+        return None
+    try:
+        return FourOverSix(error, e4m3_max, fast_math)
+    except ValueError as e:  # FourOverSix names its field: error, e4m3_max or fast_math
+        field, _, problem = str(e).partition(":")
+        arg = "four_over_six" if field == "error" else f"four_over_six_{field}"
+        raise ValueError(f"from_hp: {arg}:{problem}") from None
 
 
 class NVFP4Tensor(TorchAOBaseTensor):
@@ -125,7 +145,9 @@ class NVFP4Tensor(TorchAOBaseTensor):
     def from_hp(cls, x: torch.Tensor, block: str = "1d", scaling: str = "per_tensor",
                 rounding: str = "rn", seed: R.IntOrTensor = 0, offset: R.IntOrTensor = 0,
                 rht: bool = False, rht_signs: Optional[torch.Tensor] = None,
-                backend: str = "auto") -> "NVFP4Tensor":
+                backend: str = "auto", four_over_six: Optional[str] = None,
+                four_over_six_e4m3_max: int = 448,
+                four_over_six_fast_math: bool = False) -> "NVFP4Tensor":
         """Quantize a high-precision tensor along its last dimension.
 
         The result carries no autograd history: ``x`` is detached first (E2M1 rounding has no
@@ -149,18 +171,27 @@ class NVFP4Tensor(TorchAOBaseTensor):
             rht_signs: 16 values +-1 (a tensor or a sequence); None with ``rht=True`` uses
                 ``NVFP4Recipe().signs()``.
             backend: "auto", "reference", "triton" or "native" (see ``backends.get_backend``).
+            four_over_six: None, "mae" or "mse": 4/6 block scaling (each block's scale maps its
+                amax to 4 or to 6, whichever RN error of that kind is smaller; TransformerEngine's
+                ``nvfp4_use_4over6``, docs/numerics.md), after the RHT if any, with SR the block
+                rounded stochastically under the chosen scale.
+            four_over_six_e4m3_max: 448 (TE's default) or 256: the E4M3 bound of the 4/6 outer
+                scale (``S_enc = 6 * bound / amax``).
+            four_over_six_fast_math: the 4/6 error on the scaled values (TE's fast math).
         Raises:
             TypeError: ``x`` not a tensor or already an NVFP4Tensor, unsupported dtype, ``seed``
             or ``offset`` not an int or a one-element integer tensor, ``rht`` not a bool.
             ValueError: bad option or shape (names the problem), ``seed``/``offset`` outside
-            [0, 2**63), ``rht_signs`` not 16 values +-1 or given with ``rht=False``.
+            [0, 2**63), ``rht_signs`` not 16 values +-1 or given with ``rht=False``, a 4/6
+            setting outside its values or given with ``four_over_six=None``.
         """
         _check_x(x)
         seed, offset = _check_stream_arg(seed, "seed"), _check_stream_arg(offset, "offset")
         if not isinstance(rht, bool):
             raise TypeError(f"from_hp: rht must be a bool, got {rht!r}")
         x = x.detach()
-        spec = QuantSpec(block, scaling, rounding, rht)
+        spec = QuantSpec(block, scaling, rounding, rht, four_over_six=_four_over_six(
+            four_over_six, four_over_six_e4m3_max, four_over_six_fast_math))
         R.check_input(x, spec)
         if rht_signs is not None and not rht:
             raise ValueError("from_hp: rht_signs given, but rht=False")

@@ -12,7 +12,8 @@ from nvfp4_recipe import NVFP4Linear, NVFP4Recipe
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.recipe import options_dataclass
 from nvfp4_recipe.reference import DEFAULT_RHT_SIGNS
-from nvfp4_recipe.spec import BackendName, Block, GemmRole, QuantSpec, Rounding, Scaling
+from nvfp4_recipe.spec import (BackendName, Block, FourOverSix, FourOverSixError, FourOverSixOperands,
+                               GemmRole, QuantSpec, Rounding, Scaling)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -143,17 +144,58 @@ def test_options_are_generated_from_the_recipe_fields():
     assert dataclasses.asdict(Options()) == {
         "rht": True, "rht_signs": None, "stochastic_rounding": True, "amax_estimation": None,
         "weight_2d": True, "scaling": "per_tensor", "keep_bf16": [], "keep_first_last": 0,
-        "backend": "auto", "seed": 0}
+        "backend": "auto", "seed": 0, "four_over_six": None, "four_over_six_error": "mae",
+        "four_over_six_e4m3_max": 256, "four_over_six_fast_math": False}
     assert type(Options().scaling) is str and Options().keep_bf16 is not Options().keep_bf16
     hints = typing.get_type_hints(Options, include_extras=True)
     types = {name: typing.get_args(hint)[0] for name, hint in hints.items()}  # Annotated[type, Doc]
     assert typing.get_args(types["scaling"]) == ("per_tensor", "per_token")
     assert typing.get_args(types["backend"]) == ("auto", "reference", "triton", "native")
+    assert types["four_over_six"] == typing.Optional[typing.Literal["weights", "activations", "all"]]
     assert (types["keep_bf16"], types["rht_signs"], types["amax_estimation"], types["seed"]) == (
         list[str], typing.Optional[list[int]], typing.Optional[list[float]], int)
     helps = {name: typing.get_args(hint)[1].documentation for name, hint in hints.items()}
     assert helps == {f.name: f.metadata["help"] for f in dataclasses.fields(NVFP4Recipe)}
     assert all(helps.values())
+
+
+@pytest.mark.parametrize("operands,roles", [
+    ("weights", {"w_fprop"}), ("activations", {"w_fprop", "x_fprop", "x_wgrad"}),
+    ("all", {r.value for r in GemmRole})])
+def test_four_over_six_reaches_the_specs_of_its_operands(operands, roles):
+    r = NVFP4Recipe(four_over_six=operands, four_over_six_error="mse", four_over_six_e4m3_max=448,
+                    four_over_six_fast_math=True)
+    assert r.four_over_six is FourOverSixOperands(operands)
+    want = FourOverSix(FourOverSixError.MSE, 448, True)
+    for role in GemmRole:
+        spec = r.spec(role)
+        assert spec.four_over_six == (want if role.value in roles else None)
+        # the other fields are the recipe's without 4/6
+        assert dataclasses.replace(spec, four_over_six=None) == NVFP4Recipe().spec(role)
+    assert NVFP4Recipe(four_over_six="all").spec("x_fprop").four_over_six == FourOverSix("mae", 256)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(four_over_six="acts"), "four_over_six"),
+    (dict(four_over_six="all", four_over_six_error="l1"), "four_over_six_error"),
+    (dict(four_over_six="all", four_over_six_e4m3_max=300), "four_over_six_e4m3_max"),
+    (dict(four_over_six="all", four_over_six_e4m3_max=True), "four_over_six_e4m3_max"),
+    (dict(four_over_six="all", four_over_six_fast_math=1), "four_over_six_fast_math"),
+    (dict(four_over_six_error="mse"), "four_over_six_error"),
+    (dict(four_over_six_e4m3_max=448), "four_over_six_e4m3_max"),
+    (dict(four_over_six_fast_math=True), "four_over_six_fast_math")])
+def test_four_over_six_fields_are_validated(kwargs, field):
+    with pytest.raises(ValueError, match=f"NVFP4Recipe.{field}:"):
+        NVFP4Recipe(**kwargs)
+
+
+def test_four_over_six_spec_is_validated():
+    with pytest.raises(ValueError, match="e4m3_max"):
+        FourOverSix(e4m3_max=512)
+    with pytest.raises(ValueError, match="error"):
+        FourOverSix(error="max")
+    with pytest.raises(ValueError, match="four_over_six"):
+        QuantSpec(four_over_six="mae")
 
 
 def test_options_build_the_recipe():
@@ -185,6 +227,9 @@ FLAGS = {
     "scaling": (dict(scaling="per_token"), (True, True, True)),
     "amax_estimation": (dict(amax_estimation=(2.0, 1.0)), (False, False, True)),
     "seed": (dict(seed=1), (False, True, True)),
+    "four_over_six": (dict(four_over_six="weights"), (True, True, False)),  # W and W^T
+    "four_over_six_activations": (dict(four_over_six="activations"), (True, True, True)),  # X^T: dW
+    "four_over_six_all": (dict(four_over_six="all"), (True, True, True)),
 }
 
 
@@ -204,3 +249,12 @@ def test_backend_selection_and_errors(caplog):
         layer = NVFP4Linear(32, 32, recipe=NVFP4Recipe(backend="native"))
         with pytest.raises(ValueError, match="native"):
             layer(torch.randn(16, 32))
+
+
+# four_over_six_fast_math only rounds the error differently: tests/test_four_over_six.py shows it
+@pytest.mark.parametrize("kwargs", [dict(four_over_six_error="mse"), dict(four_over_six_e4m3_max=448)],
+                         ids=lambda k: next(iter(k)))
+def test_each_four_over_six_setting_changes_y_dx_and_dw(kwargs):
+    base, other = run(NVFP4Recipe(four_over_six="all")), run(NVFP4Recipe(four_over_six="all", **kwargs))
+    for name, a, b in zip(("y", "dx", "dw"), base, other):
+        assert not torch.equal(a, b), f"{kwargs} did not change {name}"
