@@ -1,0 +1,126 @@
+"""frozen: an NVFP4 checkpoint as a frozen base (codes and scales only) whose forward is the trained
+NVFP4Linear's bit for bit, whose dgrad reaches the input, and beside which PEFT's LoRA trains."""
+
+import pytest
+import torch
+from torch import nn
+
+import nvfp4_recipe as N
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.frozen import NVFP4FrozenLinear, load_frozen, lora_config
+from nvfp4_recipe.serving import export, record_amaxes
+
+pytest.importorskip("safetensors")
+FORMATS = ("compressed-tensors", "modelopt")
+
+
+def make(dtype=torch.float32):
+    return nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48)).to(dtype)
+
+
+def exported(tmp_path, fmt, recipe, dtype=torch.float32):
+    """A model quantized under ``recipe`` with random weights, and its export in layout ``fmt``."""
+    model = make(dtype)
+    N.quantize_(model, recipe)
+    with record_amaxes(model) as amaxes:
+        model(torch.randn(16, 64, dtype=dtype))
+    return model, export(model, str(tmp_path / fmt), fmt, input_amax=amaxes,
+                         allow_per_token=recipe.scaling.value == "per_token")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("recipe", [N.NVFP4Recipe(), N.NVFP4Recipe(weight_2d=False),
+                                    N.NVFP4Recipe(scaling="per_token")], ids=["2d", "1d", "per_token"])
+def test_frozen_forward_is_the_trained_forward_bit_for_bit(tmp_path, fmt, recipe):
+    torch.manual_seed(0)
+    model, path = exported(tmp_path, fmt, recipe)
+    frozen = load_frozen(make(), path, recipe)
+    assert isinstance(frozen[1], NVFP4FrozenLinear) and isinstance(frozen[3], NVFP4FrozenLinear)
+    assert frozen[1].block.value == ("2d" if recipe.weight_2d else "1d")
+    x = torch.randn(2, 24, 64)
+    with torch.no_grad():
+        assert torch.equal(frozen(x), model(x))
+    assert torch.equal(frozen(x.requires_grad_()), model(x))  # the autograd path too
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_dgrad_is_the_trained_layers_dgrad_and_no_weight_is_kept(tmp_path, backend):
+    """Same recipe, same SR stream (layer_seed 0): Y and dX of the frozen layer are NVFP4Linear's."""
+    torch.manual_seed(1)
+    recipe = N.NVFP4Recipe(backend=backend)
+    layer = N.NVFP4Linear(64, 128, recipe=recipe)
+    model = nn.Sequential(nn.LayerNorm(64), layer)
+    path = export(model, str(tmp_path / "e"), input_amax={"1": torch.tensor(3.0)})
+    frozen = load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128)), path, recipe)[1]
+    x = torch.randn(32, 64)
+    dy = torch.randn(32, 128)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = layer(xa), frozen(xb)
+    assert torch.equal(yb, ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(xb.grad, xa.grad)
+    assert frozen.sr_step.item() == 1  # each backward advances its SR stream
+    floats = [t for t in [*frozen.parameters(), *frozen.buffers()] if t.is_floating_point()]
+    assert max(t.numel() for t in floats) < 128 * 64 // 16  # bias, signs, scale: nothing weight-sized
+    assert list(frozen.parameters()) == []
+    assert frozen.qdata.numel() + frozen.scale.numel() <= 128 * 64 * (0.5 + 1 / 16)
+
+
+def test_1x16_checkpoint_dgrad_requantizes_w_transpose(tmp_path):
+    torch.manual_seed(2)
+    model, path = exported(tmp_path, "modelopt", N.NVFP4Recipe(weight_2d=False, stochastic_rounding=False))
+    frozen = load_frozen(make(), path, N.NVFP4Recipe(weight_2d=False, stochastic_rounding=False))[3]
+    w = frozen.weight.dequantize(torch.float32)
+    x = torch.randn(16, 128, requires_grad=True)
+    dy = torch.randn(16, 48)
+    frozen(x).backward(dy)
+    expect = R.scaled_mm(R.quantize(dy, N.QuantSpec("1d")), R.quantize(w.t(), N.QuantSpec("1d")))
+    assert torch.equal(x.grad, expect)
+
+
+def test_bf16_gemms_use_the_dequantized_weight(tmp_path):
+    torch.manual_seed(3)
+    model, path = exported(tmp_path, "compressed-tensors", N.NVFP4Recipe(), torch.bfloat16)
+    frozen = load_frozen(make(torch.bfloat16), path, gemm="bf16")[1]
+    w = model[1].quantized_weight().dequantize(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = frozen(x)
+    assert torch.equal(y, x.detach() @ w.t() + model[1].bias.detach())
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(x.grad, dy @ w)
+
+
+def test_lora_adapters_train_on_the_frozen_base(tmp_path):
+    pytest.importorskip("peft")
+    from peft import get_peft_model
+    torch.manual_seed(4)
+    _, path = exported(tmp_path, "compressed-tensors", N.NVFP4Recipe())
+    peft_model = get_peft_model(load_frozen(make(), path),
+                                lora_config(r=4, target_modules=["1", "3"], init_lora_weights=False))
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    x = torch.randn(32, 64, requires_grad=True)
+    before = peft_model(x).detach()
+    peft_model(x).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    assert x.grad.abs().sum() > 0
+    with torch.no_grad():
+        for p in trainable.values():
+            p -= 0.1 * p.grad
+    assert not torch.equal(peft_model(x).detach(), before)
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    _, path = exported(tmp_path, "compressed-tensors", N.NVFP4Recipe())
+    with pytest.raises(ValueError, match="checkpoint layer '1'.*not an nn.Linear of that shape"):
+        load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(), nn.Linear(128, 48)), path)
+    with pytest.raises(ValueError, match="unexpected"):
+        load_frozen(nn.Sequential(nn.Identity(), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48)), path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no NVFP4 checkpoint config"):
+        load_frozen(make(), str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        NVFP4FrozenLinear(torch.zeros(16, 8, dtype=torch.uint8),
+                          torch.zeros(16, 1, dtype=torch.float8_e4m3fn), torch.ones(()), gemm="fp8")
