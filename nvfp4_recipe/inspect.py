@@ -3,7 +3,7 @@ quantized operands a training step actually used."""
 
 import contextlib
 import math
-from typing import Dict, Iterator, Optional, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -11,13 +11,15 @@ from torch import nn
 from . import reference as R
 from .api import check_module, linear_layers, nvfp4_counts, skip_reasons
 from .conv1d import features
-from .formats import E2M1_GRID, unpack_nibbles
-from .layer import NVFP4Module
+from .formats import BLOCK, E2M1_GRID, unpack_nibbles
+from .layer import NVFP4Module, Recording
 from .linear import NVFP4Linear
+from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
-from .spec import GemmRole, QuantSpec
+from .spec import Block, GemmRole, QuantSpec
+from .tensor import NVFP4Tensor
 
-__all__ = ["summary", "tensor_stats", "capture"]
+__all__ = ["summary", "tensor_stats", "capture", "QuantStats", "operand_counts"]
 
 E2M1_MAX_CODE = len(E2M1_GRID) - 1  # the magnitude code of 6
 # A block scale rounded to E4M3 (3 mantissa bits) may sit up to 2**-4 below block_amax / 6, which
@@ -87,11 +89,19 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
         print(ops["blocks.0.fc1"]["dy"])          # the SR-quantized output gradient
         nvfp4_recipe.tensor_stats(...)
     """
+    with _recording(model, lambda hp, q, spec: q) as stores:
+        yield stores
+
+
+@contextlib.contextmanager
+def _recording(model: nn.Module, keep) -> Iterator[Dict[str, Dict[str, object]]]:
+    """Every NVFP4 module of ``model`` records ``keep(hp, q, spec)`` of its operands
+    (:class:`layer.Recording`) inside the context; yields ``{fqn: its store}``."""
     layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NVFP4Module)}
     for layer in layers.values():
-        layer.captured = {}
+        layer.captured = Recording(keep)
     try:
-        yield {fqn: layer.captured for fqn, layer in layers.items()}
+        yield {fqn: layer.captured.store for fqn, layer in layers.items()}
     finally:
         for layer in layers.values():
             layer.captured = None
@@ -183,3 +193,143 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
 
 def _item(t: torch.Tensor):
     return t.item() if t.dim() == 0 else t
+
+
+# The smallest normal E4M3 number: nonzero block scales below it are subnormal (fewer bits).
+_E4M3_MIN_NORMAL = 2.0 ** -6
+_COUNTS = ("elements", "nonzero", "flushed", "saturated", "err", "signal", "blocks", "zero_blocks",
+           "subnormal_blocks", "blocks_to_4")
+
+
+def _first_rows(op: NVFP4Operand, rows: int) -> NVFP4Operand:
+    """The operand's first ``rows`` rows (a multiple of 16 for 2d blocks)."""
+    scale_rows = rows // BLOCK if op.block is Block.D2 else rows
+    outer = op.outer_scale[:rows] if op.outer_scale.dim() else op.outer_scale
+    return NVFP4Operand(op.qdata[:rows], op.scale[:scale_rows], outer, op.block)
+
+
+def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec,
+                   max_rows: int = 4096) -> Dict[str, float]:
+    """The counts behind :class:`QuantStats`' statistics of one operand, over its first
+    ``max_rows`` rows (all of the operand's quantization: its amax is the whole tensor's).
+
+    Args:
+        hp: (rows, K) the high-precision operand as its GEMM takes it (before the RHT).
+        q: its quantization (rows, K), as ``inspect.capture`` records it; spec: its QuantSpec.
+        max_rows: a positive multiple of 16.
+    Returns:
+        float counts: ``elements``, ``nonzero`` (nonzero inputs, in the RHT domain where the RHT is
+        on), ``flushed`` (nonzero inputs that dequantize to 0), ``saturated`` (as in
+        :func:`tensor_stats`), ``err`` and ``signal`` (sums of the squared error and of the
+        squared input, float64), ``blocks``, ``zero_blocks`` and ``subnormal_blocks`` (E4M3 block
+        scales that are 0, or below 2**-6), ``blocks_to_4`` (nonzero blocks whose largest code is 4
+        rather than 6: mapped to 4 by 4/6; exact under RN).
+    """
+    rows = min(max_rows, hp.shape[0])
+    if rows == 0 or hp.shape[1] == 0:  # an empty token group of an experts module
+        return dict.fromkeys(_COUNTS, 0.0)
+    op = _first_rows(q.operand, rows)
+    ref = hp[:rows]
+    ref = (R.rht(ref, q.rht_signs) if q.rht_signs is not None else ref).double()
+    deq = R.dequantize(op).double()
+    codes = unpack_nibbles(op.qdata) & 0x7
+    nonzero = ref != 0
+    at_max = (codes == E2M1_MAX_CODE) & (deq != 0)
+    top = codes.reshape(rows, -1, BLOCK).amax(-1)  # the largest code of each 1x16 block
+    if op.block is Block.D2:
+        top = top.reshape(rows // BLOCK, BLOCK, -1).amax(1)
+    scale = op.scale.float()
+    return {
+        "elements": float(ref.numel()), "nonzero": nonzero.sum().item(),
+        "flushed": ((deq == 0) & nonzero).sum().item(),
+        "saturated": (at_max & (ref.abs() > deq.abs() * (1 + _SATURATION_MARGIN))).sum().item(),
+        "err": (ref - deq).square().sum().item(), "signal": ref.square().sum().item(),
+        "blocks": float(scale.numel()), "zero_blocks": (scale == 0).sum().item(),
+        "subnormal_blocks": ((scale > 0) & (scale < _E4M3_MIN_NORMAL)).sum().item(),
+        "blocks_to_4": ((top < E2M1_MAX_CODE) & (scale > 0)).sum().item(),
+    }
+
+
+def _statistics(counts: Dict[str, float], four_over_six: bool) -> Dict[str, float]:
+    """Shares and errors from summed :func:`operand_counts`."""
+    c = counts
+    stats = {"flushed_to_zero": c["flushed"] / max(c["nonzero"], 1),
+             "saturated": c["saturated"] / max(c["elements"], 1),
+             "relative_mse": c["err"] / c["signal"] if c["signal"] else 0.0,
+             "sqnr_db": 10 * math.log10(c["signal"] / c["err"]) if c["err"] else math.inf,
+             "zero_scale_blocks": c["zero_blocks"] / max(c["blocks"], 1),
+             "subnormal_scale_blocks": c["subnormal_blocks"] / max(c["blocks"], 1)}
+    if four_over_six:
+        stats["mapped_to_4"] = c["blocks_to_4"] / max(c["blocks"], 1)
+    return stats
+
+
+class QuantStats:
+    """Quantization statistics of every NVFP4 operand of a model during training, every ``every``
+    steps: per layer (an experts module: per projection, summed over experts and token groups)
+    and operand (``"w"``, ``"x"``, ``"xt"``, ``"dy"``, ``"dyt"``: the GEMM operands of
+    :func:`capture`), the share of nonzero values flushed to zero, the share saturated, the
+    relative MSE and SQNR (dB), the shares of zero and of subnormal E4M3 block scales, and for
+    operands quantized with 4/6 the share of blocks mapped to 4. The statistics read the first
+    ``max_rows`` rows of each operand (its quantization is the whole operand's).
+
+    On a recorded step every operand is quantized once more (as :func:`capture` does), eager
+    mode only: run that step outside a CUDA graph or torch.compile.
+
+    Example::
+
+        stats = QuantStats(model, every=100)
+        for step, (x, y) in enumerate(batches):
+            with stats.step(step):
+                loss_fn(model(x), y).backward()
+            opt.step(); opt.zero_grad()
+        stats.history  # [{"step": 0, "layers": {"blocks.0.attn.qkv": {"x": {...}, ...}}}, ...]
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+        ValueError: ``every`` not a positive int, ``max_rows`` not a positive multiple of 16.
+    """
+
+    def __init__(self, model: nn.Module, every: int = 100, max_rows: int = 4096):
+        check_module("QuantStats", model)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"QuantStats: every must be a positive int, got {every!r}")
+        if not isinstance(max_rows, int) or max_rows < BLOCK or max_rows % BLOCK:
+            raise ValueError(f"QuantStats: max_rows must be a positive multiple of {BLOCK}, "
+                             f"got {max_rows!r}")
+        self.model, self.every, self.max_rows = model, every, max_rows
+        self.history: List[Dict[str, object]] = []
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`step` records step ``step``."""
+        return step % self.every == 0
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run one training step's forward and backward inside; on a due step its statistics are
+        appended to :attr:`history` when the context exits."""
+        if not self.due(step):
+            yield
+            return
+        keep = lambda hp, q, spec: (operand_counts(hp, q, spec, self.max_rows),
+                                    spec.four_over_six is not None)
+        with _recording(self.model, keep) as stores:
+            yield
+        self.history.append({"step": step, "layers": _layer_statistics(stores)})
+
+
+def _layer_statistics(stores: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
+    """``{layer: {operand: statistics}}`` from the recorded ``(counts, four_over_six)``; an
+    experts module's projections become layers ``fqn.projection``, their lists summed."""
+    out = {}
+    for fqn, store in stores.items():
+        for name, value in store.items():
+            if isinstance(value, dict):  # an experts projection: {operand: [(counts, 4/6), ...]}
+                out[f"{fqn}.{name}"] = {op: _statistics(*_summed(v)) for op, v in value.items()}
+            else:
+                out.setdefault(fqn, {})[name] = _statistics(*value)
+    return out
+
+
+def _summed(pairs) -> Tuple[Dict[str, float], bool]:
+    return {k: sum(c[k] for c, _ in pairs) for k in _COUNTS}, pairs[0][1]

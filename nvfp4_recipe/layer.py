@@ -10,7 +10,8 @@ What a module that trains in NVFP4 keeps besides its parameters, written once:
 - ``sr_rank``, the data-parallel rank folded into the SR keys (``distributed.set_sr_rank``);
 - the SR key of a backward (:func:`next_sr_key`);
 - the fprop weight operands kept inside :func:`cached_weights`;
-- the operands recorded by ``inspect.capture`` (``captured``);
+- the operands recorded by ``inspect.capture`` and ``inspect.QuantStats`` (``captured``, a
+  :class:`Recording`);
 - initialization delegated to the module it replaced (``init_weights``, ``reset_parameters``).
 """
 
@@ -29,6 +30,7 @@ from .kernels.philox import next_key
 from .kernels.runtime import tracing
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
+from .spec import QuantSpec
 
 __all__ = ["NVFP4Module", "cached_weights", "sr_key", "next_sr_key", "out_dtype", "backend_name",
            "training", "local"]
@@ -118,6 +120,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class Recording:
+    """Where a module records the operands of its GEMMs while ``inspect`` asks it to.
+
+    ``store`` holds ``{name: keep(hp, q, spec)}`` for a linear and ``{projection: {name: [one
+    per expert or token group]}}`` for an experts module, where ``hp`` is the high-precision
+    operand (rows, K) as the GEMM takes it (before the RHT), ``q`` its :class:`NVFP4Tensor`
+    (the bits the GEMM used) and ``spec`` its :class:`QuantSpec`: ``inspect.capture`` keeps
+    ``q``, ``inspect.QuantStats`` statistics of the pair.
+    """
+
+    def __init__(self, keep: Callable[[torch.Tensor, object, QuantSpec], object]):
+        self.store: Dict[str, object] = {}
+        self.keep = keep
+
+
 class NVFP4Module(nn.Module):
     """The state every NVFP4 training module shares (see the module docstring).
 
@@ -139,7 +156,7 @@ class NVFP4Module(nn.Module):
         self.recipe = recipe if recipe is not None else NVFP4Recipe()
         self.layer_seed = layer_seed
         self.sr_rank = 0
-        self.captured = None  # a dict while ``inspect.capture`` records this module
+        self.captured: Optional[Recording] = None  # while inspect records this module
         self._weight_cache: Dict[str, tuple] = {}
         shape = () if self.STREAMS is None else (len(self.STREAMS),)
         self.register_buffer("rht_signs", torch.empty(BLOCK, dtype=torch.float32, device=device))

@@ -292,32 +292,34 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
 
     def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
-        """Record the operands of this step's GEMMs in ``self.captured`` (``inspect.capture``): X,
-        W and X^T now, dY and dY^T when the gradient of ``y`` arrives. They are quantized again with
-        the step's specs, signs and SR stream, so they are the bits the GEMMs used."""
-        be = get_backend(backend, x2.device)
+        """Record the operands of this step's GEMMs in ``self.captured`` (a :class:`Recording`):
+        X, W and X^T now, dY and dY^T when the gradient of ``y`` arrives. They are quantized again
+        with the step's specs, signs and SR stream, so they are the bits the GEMMs used."""
+        be, rec = get_backend(backend, x2.device), self.captured
         signs, r = self.rht_signs, self.recipe
         x2 = x2.detach()
 
-        def tensor(t, role, **kw):
+        def keep(t, role, **kw):
             spec = r.spec(role)
-            return NVFP4Tensor.from_operand(be.quantize(t, spec, signs=signs, **kw), spec, t.dtype,
-                                            signs if spec.rht else None, backend)
+            q = NVFP4Tensor.from_operand(be.quantize(t, spec, signs=signs, **kw), spec, t.dtype,
+                                         signs if spec.rht else None, backend)
+            return rec.keep(t, q, spec)
 
         with torch.no_grad():
-            self.captured.update(w=self.quantized_weight(), x=tensor(x2, GemmRole.X_FPROP))
+            rec.store.update(w=keep(self.fprop_weight().detach(), GemmRole.W_FPROP),
+                             x=keep(x2, GemmRole.X_FPROP))
             if x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
-                self.captured.update(xt=tensor(x2.t(), GemmRole.X_WGRAD))
+                rec.store.update(xt=keep(x2.t(), GemmRole.X_WGRAD))
         if y.requires_grad:
             seed = sr_key(*self.sr_state())  # before backward advances it
 
             def record_dy(dy):
                 with torch.no_grad():
-                    self.captured.update(
-                        dy=tensor(dy, GemmRole.DY_DGRAD, seed=seed,
-                                  offset=SR_OFFSETS[GemmRole.DY_DGRAD]),
-                        dyt=tensor(dy.t(), GemmRole.DY_WGRAD, seed=seed,
-                                   offset=SR_OFFSETS[GemmRole.DY_WGRAD]))
+                    rec.store.update(
+                        dy=keep(dy, GemmRole.DY_DGRAD, seed=seed,
+                                offset=SR_OFFSETS[GemmRole.DY_DGRAD]),
+                        dyt=keep(dy.t(), GemmRole.DY_WGRAD, seed=seed,
+                                 offset=SR_OFFSETS[GemmRole.DY_WGRAD]))
             y.register_hook(record_dy)
 
     def extra_repr(self) -> str:

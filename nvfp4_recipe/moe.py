@@ -222,40 +222,43 @@ class NVFP4Experts(NVFP4Module):
 
     def _capture(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                  y: torch.Tensor, backend: str) -> None:
-        """Record the operands of projection ``p``'s GEMMs in ``self.captured[name]``
-        (``inspect.capture``): lists with one :class:`NVFP4Tensor` per expert (``"w"``) or per
-        token group (``"x"``, ``"xt"`` now; ``"dy"``, ``"dyt"`` when the gradient of ``y``
-        arrives), quantized again with the step's specs, signs and SR stream, so they hold the
-        bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
-        be, r, signs = resolved(backend), self.recipe, self.rht_signs
+        """Record the operands of projection ``p``'s GEMMs in ``self.captured`` (a
+        :class:`Recording`, under the projection's name): lists with one entry per expert
+        (``"w"``) or per token group (``"x"``, ``"xt"`` now; ``"dy"``, ``"dyt"`` when the gradient
+        of ``y`` arrives), quantized again with the step's specs, signs and SR stream, so they
+        hold the bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
+        be, r, signs, rec = resolved(backend), self.recipe, self.rht_signs, self.captured
         bounds = group_bounds(offs)
-        record = self.captured.setdefault(self.STREAMS[p], {})
+        record = rec.store.setdefault(self.STREAMS[p], {})
 
-        def groups(op, role):
+        def groups(op, role, hp, transpose=False):
             spec = r.spec(role)
-            return [NVFP4Tensor.from_operand(group_slice(op, g, s, e), spec, x.dtype,
-                                             signs if spec.rht else None, backend)
+            return [rec.keep(hp[s:e].t() if transpose else hp[s:e],
+                             NVFP4Tensor.from_operand(group_slice(op, g, s, e), spec, hp.dtype,
+                                                      signs if spec.rht else None, backend), spec)
                     for g, (s, e) in enumerate(bounds)]
 
         with torch.no_grad():
-            spec = r.spec(GemmRole.W_FPROP)
-            wq = be.quantize_experts(w.detach(), spec, need_t=False)[0]
-            record["w"] = [NVFP4Tensor.from_operand(expert_slice(wq, g), spec, w.dtype,
-                                                    backend=backend) for g in range(w.shape[0])]
-            xq, xt, _ = be.quantize_groups(x.detach(), offs, r.spec(GemmRole.X_FPROP),
-                                    r.spec(GemmRole.X_WGRAD), signs=signs)
-            record.update(x=groups(xq, GemmRole.X_FPROP), xt=groups(xt, GemmRole.X_WGRAD))
+            spec, w, x = r.spec(GemmRole.W_FPROP), w.detach(), x.detach()
+            wq = be.quantize_experts(w, spec, need_t=False)[0]
+            record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
+                expert_slice(wq, g), spec, w.dtype, backend=backend), spec) for g in range(w.shape[0])]
+            xq, xt, _ = be.quantize_groups(x, offs, r.spec(GemmRole.X_FPROP),
+                                           r.spec(GemmRole.X_WGRAD), signs=signs)
+            record.update(x=groups(xq, GemmRole.X_FPROP, x),
+                          xt=groups(xt, GemmRole.X_WGRAD, x, transpose=True))
         if y.requires_grad:
             seed = sr_key(*self.sr_state(p))  # before backward advances it
 
             def record_dy(dy):
                 with torch.no_grad():
+                    dy = dy.contiguous()
                     dyq, dyt, _ = be.quantize_groups(
-                        dy.contiguous(), offs, r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD),
+                        dy, offs, r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD),
                         seed=seed, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
                         col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs)
-                    record.update(dy=groups(dyq, GemmRole.DY_DGRAD),
-                                  dyt=groups(dyt, GemmRole.DY_WGRAD))
+                    record.update(dy=groups(dyq, GemmRole.DY_DGRAD, dy),
+                                  dyt=groups(dyt, GemmRole.DY_WGRAD, dy, transpose=True))
             y.register_hook(record_dy)
 
     def high_precision(self) -> nn.Module:
