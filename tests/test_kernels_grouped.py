@@ -7,6 +7,7 @@ runs use the Triton interpreter on small shapes with an empty group and rows pas
 ``cuda`` tests run the compiled kernels on larger, uneven groups.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -131,10 +132,45 @@ def test_experts_match_per_expert_reference(sp, inner):
     """W_g (codes, or the fp16 inner values of the fprop GEMM) and W_g^T of every expert: 2d
     blocks from one read (W^T the exact transpose), or 1d; expert g's SR counter base is
     offset + g N K / 16."""
-    w = rand((3, 48, 32), torch.float32, seed=5).to(DEV)
+    check_experts(rand((3, 48, 32), torch.float32, seed=5).to(DEV), sp, inner)
+
+
+def four_over_six_pairs():
+    """(name, row, col) of the recipe's operand pairs with 4/6 on all operands: X (RN, RHT column
+    copy; MSE, bound 448), dY (SR, SR + RHT; MAE fast math, bound 256), per-token."""
+    mse = NVFP4Recipe(four_over_six="all", four_over_six_error="mse", four_over_six_e4m3_max=448)
+    fast = NVFP4Recipe(four_over_six="all", four_over_six_fast_math=True)
+    tok = NVFP4Recipe(four_over_six="all", scaling="per_token")
+    return [("x_4over6", mse.spec(GemmRole.X_FPROP), mse.spec(GemmRole.X_WGRAD)),
+            ("dy_4over6", fast.spec(GemmRole.DY_DGRAD), fast.spec(GemmRole.DY_WGRAD)),
+            ("per_token_4over6", tok.spec(GemmRole.DY_DGRAD), tok.spec(GemmRole.DY_WGRAD))]
+
+
+FOS_PAIRS = four_over_six_pairs()
+FOS_IDS = [p[0] for p in FOS_PAIRS]
+
+
+@pytest.mark.parametrize("name,row,col", FOS_PAIRS, ids=FOS_IDS)
+def test_four_over_six_pair_matches_per_group_reference(name, row, col):
+    check_grouped(rand((112, 48), seed=6), offsets(OFFS), row, col, signs=signs_for())
+
+
+def four_over_six_weight_specs():
+    w = NVFP4Recipe(four_over_six="weights").spec(GemmRole.W_FPROP)
+    w1d = NVFP4Recipe(four_over_six="weights", weight_2d=False, four_over_six_error="mse")
+    return [w, dataclasses.replace(w, rounding="sr"), w1d.spec(GemmRole.W_FPROP)]
+
+
+@pytest.mark.parametrize("sp", four_over_six_weight_specs(), ids=idfn)
+def test_four_over_six_experts_match_per_expert_reference(sp):
+    check_experts(rand((3, 48, 32), torch.float32, seed=8).to(DEV), sp, inner=False)
+
+
+def check_experts(w, sp, inner):
+    """W_g and W_g^T of ``quantize_experts`` equal each expert's reference quantization."""
     wq, wtq = quantize_experts(w, sp, seed=9, offset=100, inner=inner)
     n, k = w.shape[1:]
-    for g in range(3):
+    for g in range(w.shape[0]):
         ref = R.quantize(w[g], sp, seed=9, offset=100 + g * n * k // 16)
         (assert_inner_equals if inner else assert_same)(expert_slice(wq, g), ref)
         ref_t = R.transpose_2d(ref) if sp.block.value == "2d" else \
@@ -290,6 +326,19 @@ def test_experts_match_per_expert_reference_cuda(device, sp, inner):
         (assert_inner_equals if inner else assert_same)(expert_slice(wq, g), ref)
         if sp.block.value == "2d":
             assert_same(expert_slice(wtq, g), R.transpose_2d(ref))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,row,col", FOS_PAIRS, ids=FOS_IDS)
+def test_four_over_six_pair_matches_per_group_reference_cuda(device, name, row, col):
+    check_grouped(rand((3328, 1024), device=device, seed=3), offsets(GPU_ENDS, device), row, col,
+                  (True, True), seed=torch.tensor(7, device=device), signs=signs_for())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sp", four_over_six_weight_specs(), ids=idfn)
+def test_four_over_six_experts_match_per_expert_reference_cuda(device, sp):
+    check_experts(rand((4, 1024, 768), torch.bfloat16, device, seed=4), sp, inner=True)
 
 
 @pytest.mark.cuda

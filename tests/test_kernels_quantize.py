@@ -4,10 +4,13 @@ CPU tests run the kernels under the Triton interpreter (tests/conftest.py sets T
 without a GPU) on small ragged shapes; ``cuda`` tests run them compiled on larger ones.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from nvfp4_recipe import reference as R
+from nvfp4_recipe.spec import FourOverSix, QuantSpec
 from nvfp4_recipe.kernels.quantize import quantize_1d, quantize_2d
 
 from nvfp4_cases import (PAIR_IDS, assert_inner_equals, assert_same, idfn, rand, recipe_pairs,
@@ -173,6 +176,42 @@ def test_nonfinite_propagates():
             assert torch.equal(out.qdata & 0x77, ref.qdata & 0x77)  # magnitudes everywhere
 
 
+def fos(error="mae", e4m3_max=448, fast_math=False):
+    return FourOverSix(error, e4m3_max, fast_math)
+
+
+FOS_1D = [  # (row spec, column spec): 4/6 with per-token, SR, RHT, amax estimation, both errors
+    (QuantSpec(four_over_six=fos()), QuantSpec(rht=True, four_over_six=fos("mse", 256))),
+    (QuantSpec(scaling="per_token", rounding="sr", four_over_six=fos("mse", 448, True)),
+     QuantSpec(scaling="per_token", rounding="sr", rht=True, amax_scale=1.37,
+               four_over_six=fos("mae", 256, True))),
+    (None, QuantSpec(rounding="sr", rht=True, four_over_six=fos("mse", 256))),
+]
+FOS_2D = [QuantSpec("2d", four_over_six=fos()), QuantSpec("2d", rounding="sr", four_over_six=fos("mse", 256)),
+          QuantSpec("2d", amax_scale=0.75, four_over_six=fos("mae", 256, True))]
+
+
+@pytest.mark.parametrize("row,col", FOS_1D, ids=lambda s: idfn(s) + ("-4o6" if s else ""))
+def test_four_over_six_pair_matches_reference(row, col):
+    """4/6 copies (docs/numerics.md item 11) from the pair kernel, and the rowwise copy alone from
+    the prefetch-loop kernel (with the RHT along K when asked), bit for bit."""
+    x = rand((48, 80), torch.bfloat16, seed=int(torch.randint(0, 2**31, ())))
+    check_pair(x, row, col, seed=11, row_offset=5, col_offset=9, signs=signs_for())
+    if row is not None:
+        check_pair(x, dataclasses.replace(row, rht=True), None, seed=11, row_offset=5,
+                   signs=signs_for())
+
+
+@pytest.mark.parametrize("sp", FOS_2D, ids=idfn)
+@pytest.mark.parametrize("inner", [False, True], ids=["codes", "inner"])
+def test_four_over_six_2d_w_and_wt_match_reference(sp, inner):
+    w = rand((48, 64), torch.float32, seed=int(torch.randint(0, 2**31, ())))
+    wq, wtq = quantize_2d(w, sp, seed=2, offset=1, inner=inner)
+    ref = R.quantize(w, sp, seed=2, offset=1)
+    (assert_inner_equals if inner else assert_same)(wq, ref)
+    assert_same(wtq, R.transpose_2d(ref))
+
+
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(16400, 4112), (256, 4096)], ids=idfn)
@@ -184,6 +223,29 @@ def test_cuda_pair(shape, name, row, col, device):
     check_pair(x, row, col, (True, True), seed=98, row_offset=5, col_offset=2**31 + 3,
                signs=signs_for())
     check_pair(x, row, None, (True, False), seed=98, row_offset=5, signs=signs_for())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("row,col", FOS_1D, ids=lambda s: idfn(s) + ("-4o6" if s else ""))
+def test_cuda_four_over_six_pair(row, col, device):
+    x = rand((16400, 4112), device=device, seed=8)
+    check_pair(x, row, col, seed=5, row_offset=1000, col_offset=7, signs=signs_for())
+    check_pair(x, row, col, (row is not None, True), seed=5, row_offset=1000, col_offset=7,
+               signs=signs_for())
+    if row is not None:
+        check_pair(x, dataclasses.replace(row, rht=True), None, seed=5, row_offset=3,
+                   signs=signs_for())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sp", FOS_2D, ids=idfn)
+def test_cuda_four_over_six_2d(sp, device):
+    w = rand((4096, 14336), torch.bfloat16, device=device, seed=9)
+    for inner in (False, True):
+        wq, wtq = quantize_2d(w, sp, seed=2, offset=1, inner=inner)
+        ref = R.quantize(w, sp, seed=2, offset=1)
+        (assert_inner_equals if inner else assert_same)(wq, ref)
+        assert_same(wtq, R.transpose_2d(ref))
 
 
 @pytest.mark.cuda

@@ -42,6 +42,7 @@ from ..spec import Block, QuantSpec
 from .amax import _configs as _amax_configs
 from .amax import block_max_bits, check_matrix, rht_block_max_bits
 from .dequantize import dequantize_inner
+from .four_over_six import fos_code
 from .gemm import OUT_DTYPES, _epilogue, _kernel_out, _mma, _tile_pid
 from .hadamard import rht16
 from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
@@ -91,12 +92,12 @@ def _group_start(g, offs_ptr, G):
 
 
 @triton.jit
-def _store_outers(amax_ptr, o_ptr, n, mult, MULT: tl.constexpr):
+def _store_outers(amax_ptr, o_ptr, n, mult, MULT: tl.constexpr, FOS: tl.constexpr):
     """S_dec of the ``n`` amaxes at amax_ptr stored at o_ptr (``rounding.outer_scales``): the
     per-group outer scales, written by one program since a group may have no tile."""
     for j0 in range(0, n, GC):
         j = j0 + tl.arange(0, GC)
-        _, s_dec = outer_scales(tl.load(amax_ptr + j, mask=j < n, other=0.0), mult, MULT)
+        _, s_dec, _ = outer_scales(tl.load(amax_ptr + j, mask=j < n, other=0.0), mult, MULT, FOS)
         tl.store(o_ptr + j, s_dec, mask=j < n)
 
 
@@ -213,8 +214,8 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
 # ----------------------------------------------------------------------------------------------
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
                                            "ROW_INNER", "COL", "COL_RHT", "COL_SR",
-                                           "COL_PER_TOKEN", "COL_MULT", "COL_INNER", "DEQ", "D_R",
-                                           "D_KB"],
+                                           "COL_PER_TOKEN", "COL_MULT", "COL_INNER", "ROW_FOS",
+                                           "COL_FOS", "DEQ", "D_R", "D_KB"],
                  prune_configs_by=_PRUNE)
 @triton.jit
 def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, seed_arg,
@@ -225,7 +226,8 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
                              ROW_MULT: tl.constexpr, ROW_INNER: tl.constexpr, COL: tl.constexpr,
                              COL_RHT: tl.constexpr, COL_SR: tl.constexpr,
                              COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
-                             COL_INNER: tl.constexpr, SEED_PTR: tl.constexpr,
+                             COL_INNER: tl.constexpr, ROW_FOS: tl.constexpr,
+                             COL_FOS: tl.constexpr, SEED_PTR: tl.constexpr,
                              ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr, DEQ: tl.constexpr,
                              D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr, D_H: tl.constexpr,
                              D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr,
@@ -250,19 +252,19 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
     if ROW:
         g_m = tl.reshape(tl.broadcast_to(g[:, None], (BB, 16)), (16 * BB,))
         if ROW_PER_TOKEN:
-            s_enc6, s_dec = outer_scales(tl.load(ramax_ptr + m, mask=m < M, other=0.0), r_mult,
-                                         ROW_MULT)
+            s_enc6, s_dec, amax = outer_scales(tl.load(ramax_ptr + m, mask=m < M, other=0.0),
+                                               r_mult, ROW_MULT, ROW_FOS)
             if pid_c == 0:
                 tl.store(ro_ptr + m, s_dec, mask=(m < M) & (g_m < G))
         else:
-            s_enc6, s_dec = outer_scales(tl.load(ramax_ptr + g_m, mask=g_m < G, other=0.0), r_mult,
-                                         ROW_MULT)
+            s_enc6, s_dec, amax = outer_scales(tl.load(ramax_ptr + g_m, mask=g_m < G, other=0.0),
+                                               r_mult, ROW_MULT, ROW_FOS)
             if first:
-                _store_outers(ramax_ptr, ro_ptr, G, r_mult, ROW_MULT)
+                _store_outers(ramax_ptr, ro_ptr, G, r_mult, ROW_MULT, ROW_FOS)
         rows = tl.where(g_m < G, m, M)  # rows past the last group: stores masked off
         _quantize_store(y.to(tl.float32), rows[:, None], c[None, :], M, K, rq_ptr, rs_ptr,
-                        s_enc6[:, None], s_dec[:, None], seed, scalar_arg(roff_arg, ROFF_PTR),
-                        mul16, ROW_SR, ROW_INNER)
+                        s_enc6[:, None], s_dec[:, None], amax[:, None], seed,
+                        scalar_arg(roff_arg, ROFF_PTR), mul16, ROW_SR, ROW_INNER, ROW_FOS)
     if COL:  # x^T (K, M): rows k, block columns b, group g of x_g^T (K, M_g)
         k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
         y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
@@ -271,21 +273,21 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
         if COL_PER_TOKEN:
             idx = g[None, :] * K + k[:, None]
             amax = tl.load(camax_ptr + idx, mask=(g < G)[None, :] & (k < K)[:, None], other=0.0)
-            s_enc6, s_dec = outer_scales(amax, c_mult, COL_MULT)  # (16 BC, BB)
+            s_enc6, s_dec, amax = outer_scales(amax, c_mult, COL_MULT, COL_FOS)  # (16 BC, BB)
             if pid_b == 0:
                 for g0 in range(0, G, GC):
                     gg = g0 + tl.arange(0, GC)
                     o_idx = gg[:, None] * K + k[None, :]
                     o_mask = (gg < G)[:, None] & (k < K)[None, :]
-                    _, o = outer_scales(tl.load(camax_ptr + o_idx, mask=o_mask, other=0.0), c_mult,
-                                        COL_MULT)
+                    _, o, _ = outer_scales(tl.load(camax_ptr + o_idx, mask=o_mask, other=0.0),
+                                           c_mult, COL_MULT, COL_FOS)
                     tl.store(co_ptr + o_idx, o, mask=o_mask)
         else:
-            s_enc6, s_dec = outer_scales(tl.load(camax_ptr + g, mask=g < G, other=0.0), c_mult,
-                                         COL_MULT)
-            s_enc6, s_dec = s_enc6[None, :], s_dec[None, :]
+            s_enc6, s_dec, amax = outer_scales(tl.load(camax_ptr + g, mask=g < G, other=0.0),
+                                               c_mult, COL_MULT, COL_FOS)
+            s_enc6, s_dec, amax = s_enc6[None, :], s_dec[None, :], amax[None, :]
             if first:
-                _store_outers(camax_ptr, co_ptr, G, c_mult, COL_MULT)
+                _store_outers(camax_ptr, co_ptr, G, c_mult, COL_MULT, COL_FOS)
         if COL_RHT:
             yf = round_to(rht16(y.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16))), y.dtype)
         else:
@@ -298,8 +300,8 @@ def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs
         off = (_u32(scalar_arg(coff_arg, COFF_PTR)) + s16 * _u32(K) - s16
                + _u32(k[:, None]) * (_u32(n_g) - _u32(M // 16))[None, :])
         blocks = tl.where(g < G, b, M // 16)  # token blocks past the last group: masked off
-        _quantize_store(yf, k[:, None], blocks[None, :], K, M, cq_ptr, cs_ptr, s_enc6, s_dec,
-                        seed, off, mul16, COL_SR, COL_INNER)
+        _quantize_store(yf, k[:, None], blocks[None, :], K, M, cq_ptr, cs_ptr, s_enc6, s_dec, amax,
+                        seed, off, mul16, COL_SR, COL_INNER, COL_FOS)
     if DEQ:
         ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
                         D_BLOCK_2D, D_BR, D_H, D_EVEN_K, D_PTX)
@@ -395,6 +397,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
             COL=c is not None, COL_RHT=bool(col and col.rht), COL_SR=bool(col and col.sr),
             COL_PER_TOKEN=bool(col and col.per_token),
             COL_MULT=bool(col and col.amax_scale is not None), COL_INNER=bool(col and inner[1]),
+            ROW_FOS=fos_code(row.four_over_six) if row else 0,
+            COL_FOS=fos_code(col.four_over_six) if col else 0,
             SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
     rows = GroupedOperand(_finished(r), offs, False, row.per_token) if r else None
     cols = GroupedOperand(_finished(c), offs, True, col.per_token) if c else None
@@ -404,14 +408,14 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
 # ----------------------------------------------------------------------------------------------
 # Expert weights
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER"],
+@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER", "FOS"],
                  prune_configs_by=_PRUNE)
 @triton.jit
 def _experts_2d_kernel(w_ptr, N, K, stride_g, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg,
                        mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
                        W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                       INNER: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
-                       BB: tl.constexpr, BC: tl.constexpr):
+                       INNER: tl.constexpr, FOS: tl.constexpr, SEED_PTR: tl.constexpr,
+                       OFF_PTR: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
     """``quantize.quantize_2d_tile`` of expert program_id(2)'s W_g (N, K), with its own amax and
     outer scale and the SR counter base off + g * N * K / 16; W and W^T are stacked per expert
     (W's inner values too, with INNER)."""
@@ -423,7 +427,7 @@ def _experts_2d_kernel(w_ptr, N, K, stride_g, stride_n, stride_k, amax_ptr, mult
     quantize_2d_tile(w_ptr + g * stride_g, N, K, stride_n, stride_k, amax_ptr + g, mult,
                      scalar_arg(seed_arg, SEED_PTR), off, mul16, q_g, s_ptr + g * scales,
                      qt_ptr + g * words, st_ptr + g * scales, o_ptr + g,
-                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, BB, BC)
+                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, FOS, BB, BC)
 
 
 _EXPERTS_2D = Launcher(_experts_2d_kernel)
@@ -486,7 +490,8 @@ def quantize_experts(w: torch.Tensor, spec: QuantSpec, *, write_w: bool = True,
             seed_a, off_a, 16, *(_pointers(wq) if wq else (w, w)),
             *(_pointers(wtq) if wtq else (w, w)), outer,
             W=write_w, WT=write_wt, SR=spec.sr, MULT=spec.amax_scale is not None,
-            INNER=bool(inner and write_w), SEED_PTR=seed_p, OFF_PTR=off_p)
+            INNER=bool(inner and write_w), FOS=fos_code(spec.four_over_six), SEED_PTR=seed_p,
+            OFF_PTR=off_p)
     return (_finished(wq) if wq else None), (_finished(wtq) if wtq else None)
 
 

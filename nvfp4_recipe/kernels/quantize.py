@@ -33,6 +33,7 @@ from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
 from . import amax as A
 from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_tile
+from .four_over_six import candidate_error, candidates, fos_code, four_over_six_scale, pick, tile_sum
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
@@ -103,15 +104,21 @@ def inner16(v, bits, scale, mul16, SR: tl.constexpr):
 
 
 @triton.jit
-def quantize_block(y, s_enc6, s_dec, seed, counter, mul16, SR: tl.constexpr, INNER: tl.constexpr):
-    """Quantize fp32 (A, B, 16) blocks along the last axis (spec items 2-6).
+def quantize_block(y, s_enc6, s_dec, amax, seed, counter, mul16, SR: tl.constexpr,
+                   INNER: tl.constexpr, FOS: tl.constexpr):
+    """Quantize fp32 (A, B, 16) blocks along the last axis (spec items 2-6, 11).
 
-    s_enc6, s_dec: S_enc * (1/6) and S_dec (:func:`outer_scales`), broadcasting against (A, B).
+    s_enc6, s_dec, amax: S_enc * (1/6) (S_enc with 4/6), S_dec and the amax they come from
+    (:func:`outer_scales`), broadcasting against (A, B).
     counter: (A, B) uint32 Philox counter of each block (SR only).
+    FOS: 4/6 (``four_over_six.fos_code``; 0: off).
     Returns ((A, B) uint64 words of the 16 packed codes, (A, B) int32 E4M3 scale codes), or with
     INNER the (A, B, 16) float16 inner values of :func:`inner16` (and the scale codes).
     """
-    scode, scale, enc = block_scale(abs_max16(y), s_enc6, s_dec)
+    if FOS:
+        scode, scale, enc = four_over_six_scale(y, s_enc6, s_dec, amax, FOS)
+    else:
+        scode, scale, enc = block_scale(abs_max16(y), s_enc6, s_dec)
     v = y * enc[:, :, None]
     bits = 0
     if SR:
@@ -152,21 +159,22 @@ def _u32(x):
 
 @triton.jit
 def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.constexpr,
-            first_col, first):
-    """(S_enc * (1/6), S_dec) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
+            first_col, first, FOS: tl.constexpr):
+    """(S_enc * (1/6), S_dec, amax) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
     (X, 1) tensors, else of the tensor (scalars) (``rounding.outer_scales``); S_dec, the outer
     scale, is written by the programs holding the first column of those rows (``first_col``),
     or by the ``first`` program when per tensor."""
     if PER_TOKEN:
         idx = rows[:, None]
-        s_enc6, s_dec = outer_scales(tl.load(amax_ptr + idx, mask=idx < n, other=0.0), mult, MULT)
+        s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr + idx, mask=idx < n, other=0.0), mult,
+                                           MULT, FOS)
         if first_col:
             tl.store(o_ptr + idx, s_dec, mask=idx < n)
     else:
-        s_enc6, s_dec = outer_scales(tl.load(amax_ptr), mult, MULT)
+        s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr), mult, MULT, FOS)
         if first:
             tl.store(o_ptr, s_dec)
-    return s_enc6, s_dec
+    return s_enc6, s_dec, amax
 
 
 @triton.jit
@@ -180,15 +188,16 @@ def store_inner16(q_ptr, row, blk, n_cols, vals, mask):
 
 
 @triton.jit
-def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, seed, offset, mul16,
-                    SR: tl.constexpr, INNER: tl.constexpr):
+def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, amax, seed, offset,
+                    mul16, SR: tl.constexpr, INNER: tl.constexpr, FOS: tl.constexpr):
     """Quantize fp32 (BB, BC, 16) blocks of operand rows ``row`` and block columns ``blk``
     (index tensors broadcasting to (BB, BC)) of an (n_rows, n_cols) operand; store the codes at
     q_ptr (int64 view of the (n_rows, n_cols / 2) bytes) and the scales at s_ptr, or with INNER
     the fp16 inner values at q_ptr ((n_rows, n_cols); s_ptr unused). A block's Philox counter is
     offset + its index in the row-major (n_rows, n_cols / 16) block grid (``reference.sr_bits``)."""
     idx = row * (n_cols // 16) + blk
-    out, scode = quantize_block(y, s_enc6, s_dec, seed, _u32(offset) + _u32(idx), mul16, SR, INNER)
+    out, scode = quantize_block(y, s_enc6, s_dec, amax, seed, _u32(offset) + _u32(idx), mul16, SR,
+                                INNER, FOS)
     mask = (row < n_rows) & (blk < n_cols // 16)
     if INNER:
         store_inner16(q_ptr, row, blk, n_cols, out, mask)
@@ -201,23 +210,25 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, se
 def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, mult, off_arg,
                    signs_ptr, seed, mul16, first_col, first, OFF_PTR: tl.constexpr,
                    PER_TOKEN: tl.constexpr, MULT: tl.constexpr, RHT: tl.constexpr,
-                   SR: tl.constexpr, INNER: tl.constexpr):
+                   SR: tl.constexpr, INNER: tl.constexpr, FOS: tl.constexpr):
     """One copy of a program's tile in :func:`_quantize_1d_kernel`: the outer scales of operand
     rows ``rows`` (:func:`_scales`), the RHT of the (len(rows), len(blk), 16) blocks ``y`` (in the
     input dtype) rounded back to that dtype if RHT, then :func:`_quantize_store` of them into an
     (n_rows, n_cols) operand."""
-    s_enc6, s_dec = _scales(amax_ptr, o_ptr, rows, n_rows, mult, PER_TOKEN, MULT, first_col, first)
+    s_enc6, s_dec, amax = _scales(amax_ptr, o_ptr, rows, n_rows, mult, PER_TOKEN, MULT, first_col,
+                                  first, FOS)
     if RHT:
         yf = round_to(rht16(y.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16))), y.dtype)
     else:
         yf = y.to(tl.float32)
     _quantize_store(yf, rows[:, None], blk[None, :], n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec,
-                    seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, INNER)
+                    amax, seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, INNER, FOS)
 
 
 @triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
                                            "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
-                                           "COL_MULT", "COL_INNER", "DEQ", "D_R", "D_KB"],
+                                           "COL_MULT", "COL_INNER", "ROW_FOS", "COL_FOS", "DEQ",
+                                           "D_R", "D_KB"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
@@ -227,7 +238,7 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
                         ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
                         ROW_MULT: tl.constexpr, ROW_INNER: tl.constexpr, COL_RHT: tl.constexpr,
                         COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
-                        COL_INNER: tl.constexpr,
+                        COL_INNER: tl.constexpr, ROW_FOS: tl.constexpr, COL_FOS: tl.constexpr,
                         SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
                         DEQ: tl.constexpr, D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr,
                         D_H: tl.constexpr, D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr,
@@ -249,14 +260,14 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
         y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
         _quantize_copy(y, m, c, M, K, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
                        signs_ptr, seed, mul16, pid_c == 0, first, ROFF_PTR, ROW_PER_TOKEN,
-                       ROW_MULT, False, ROW_SR, ROW_INNER)
+                       ROW_MULT, False, ROW_SR, ROW_INNER, ROW_FOS)
     # operand x^T (K, M): rows k, block columns b
     k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
     b = pid_b * BB + tl.arange(0, BB)
     y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
     _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg, signs_ptr,
                    seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN, COL_MULT, COL_RHT,
-                   COL_SR, COL_INNER)
+                   COL_SR, COL_INNER, COL_FOS)
     if DEQ:
         ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
                         D_BLOCK_2D, D_BR, D_H, D_EVEN_K, D_PTX)
@@ -277,15 +288,16 @@ def ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s,
         store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
-@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER", "RHT"],
+@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER", "RHT",
+                                                   "FOS"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(
                      lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"])})
 @triton.jit
 def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16, q_ptr,
                           s_ptr, o_ptr, amax_ptr, mult, off_arg, SR: tl.constexpr,
                           PER_TOKEN: tl.constexpr, MULT: tl.constexpr, INNER: tl.constexpr,
-                          RHT: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
-                          BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
+                          RHT: tl.constexpr, FOS: tl.constexpr, SEED_PTR: tl.constexpr,
+                          OFF_PTR: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
     """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
     than :func:`_quantize_1d_kernel`). T tiles of (16 BB, 16 BC) elements of x per program, along
     K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it quantizes the
@@ -298,8 +310,8 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
     off = scalar_arg(off_arg, OFF_PTR)
     m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)  # rows of x
     c = pid_c * (T * BC) + tl.arange(0, BC)  # block columns of x, first tile
-    s_enc6, s_dec = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
-                            (pid_b == 0) & (pid_c == 0))
+    s_enc6, s_dec, amax = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
+                                  (pid_b == 0) & (pid_c == 0), FOS)
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if RHT else None
     x = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
     for t in range(T):
@@ -307,8 +319,8 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
         y = x.to(tl.float32)
         if RHT:
             y = round_to(rht16(y, signs), x.dtype)
-        _quantize_store(y, m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6, s_dec, seed, off,
-                        mul16, SR, INNER)
+        _quantize_store(y, m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6, s_dec, amax, seed,
+                        off, mul16, SR, INNER, FOS)
         x = x_next
         c += BC
 
@@ -316,18 +328,19 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
 # ----------------------------------------------------------------------------------------------
 # 2D kernel
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER"],
+@triton.autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER",
+                                                       "FOS"],
                  prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
 @triton.jit
 def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,
                         q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
                         W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                        INNER: tl.constexpr, SEED_PTR: tl.constexpr, OFF_PTR: tl.constexpr,
-                        BB: tl.constexpr, BC: tl.constexpr):
+                        INNER: tl.constexpr, FOS: tl.constexpr, SEED_PTR: tl.constexpr,
+                        OFF_PTR: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
     """W (N, K) in 16x16 blocks, a (16 BB, 16 BC) tile per program (:func:`quantize_2d_tile`)."""
     quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, scalar_arg(seed_arg, SEED_PTR),
                      scalar_arg(off_arg, OFF_PTR), mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
-                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, BB, BC)
+                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, FOS, BB, BC)
 
 
 @triton.jit
@@ -337,10 +350,24 @@ def _row_blocks_of(t, BB: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _four_over_six_tiles(rows, tile_amax, s_enc, s_dec, amax, FOS: tl.constexpr, BB: tl.constexpr,
+                         BC: tl.constexpr):
+    """4/6 scales of (BB, BC) 16x16 tiles (``four_over_six.four_over_six_scale`` with each
+    candidate's error summed over the tile's 16 row blocks ``rows`` (16 BB, BC, 16) fp32, in
+    TE's tree order): (code, value, encode scale), each (BB, BC)."""
+    c4, v4, e4, c6, v6, e6 = candidates(tile_amax, s_enc, s_dec)
+    err4 = candidate_error(rows, _row_blocks_of(e4, BB, BC), _row_blocks_of(v4, BB, BC), s_enc,
+                           amax, FOS)
+    err6 = candidate_error(rows, _row_blocks_of(e6, BB, BC), _row_blocks_of(v6, BB, BC), s_enc,
+                           amax, FOS)
+    return pick(tile_sum(err4, BB, BC) < tile_sum(err6, BB, BC), c4, v4, e4, c6, v6, e6)
+
+
+@triton.jit
 def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off, mul16,
                      q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr, pid_b, pid_c,
                      W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                     INNER: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
+                     INNER: tl.constexpr, FOS: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
     """Tile (pid_b, pid_c) of W (N, K) in 16x16 blocks: codes stored packed along the rows (q_ptr:
     int64 view of W's (N, K/2) bytes; with INNER, W's fp16 inner values instead, q_ptr an (N, K)
     float16 matrix, s_ptr unused) and along the columns (qt_ptr: int64 view of W^T's (K, N/2)
@@ -351,12 +378,16 @@ def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off,
     b = pid_b * BB + tl.arange(0, BB)
     c = pid_c * BC + tl.arange(0, BC)
     rows = load_row_blocks(w_ptr, n, c, N, K, stride_n, stride_k)  # [n, c, i] = w[n, 16c + i]
-    s_enc6, s_dec = outer_scales(tl.load(amax_ptr), mult, MULT)
+    s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr), mult, MULT, FOS)
     if (pid_b == 0) & (pid_c == 0):
         tl.store(o_ptr, s_dec)
     a16 = abs_max16_bits(rows)
     a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
-    scode, scale, enc = block_scale(bits_to_float(a, rows.dtype), s_enc6, s_dec)  # (BB, BC)
+    if FOS:
+        scode, scale, enc = _four_over_six_tiles(rows.to(tl.float32), bits_to_float(a, rows.dtype),
+                                                 s_enc6, s_dec, amax, FOS, BB, BC)
+    else:
+        scode, scale, enc = block_scale(bits_to_float(a, rows.dtype), s_enc6, s_dec)  # (BB, BC)
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
     if W and not INNER:
         tl.store(s_ptr + b[:, None] * (K // 16) + c[None, :], scode.to(tl.uint8), mask=mask)
@@ -463,7 +494,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
             ``inner`` copy on a GPU without E4M3 conversion (before sm89), or ``dequantize``
             without a columnwise copy (or with tensors ``check_codes`` refuses, a wrongly shaped
             out, another device).
-    Source: spec items 1-10 of docs/numerics.md (reference.py).
+    Source: spec items 1-11 of docs/numerics.md (reference.py).
     """
     _check_1d(row)
     _check_1d(col)
@@ -496,8 +527,8 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
         _ROWS[grid](
             x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16, *_pointers(r), r.outer_scale,
             row_amax, float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
-            MULT=row.amax_scale is not None, INNER=inner[0], RHT=row.rht, SEED_PTR=seed_p,
-            OFF_PTR=roff_p)
+            MULT=row.amax_scale is not None, INNER=inner[0], RHT=row.rht,
+            FOS=fos_code(row.four_over_six), SEED_PTR=seed_p, OFF_PTR=roff_p)
         return _finished(r), None
     dummy = x
     d_args, d_consts = dequantize_job(dequantize, dummy)
@@ -512,6 +543,7 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
         ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and inner[0]),
         COL_RHT=col.rht, COL_SR=col.sr, COL_PER_TOKEN=col.per_token,
         COL_MULT=col.amax_scale is not None, COL_INNER=inner[1],
+        ROW_FOS=fos_code(row.four_over_six) if row else 0, COL_FOS=fos_code(col.four_over_six),
         SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
     return (_finished(r) if r else None, _finished(c))
 
@@ -584,7 +616,7 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
     Raises:
         TypeError: unsupported dtype. ValueError: shape, a spec that is not 2d / has RHT, or
             ``inner`` on a GPU without E4M3 conversion (before sm89).
-    Source: spec items 1-6 with 2d blocks (reference.quantize(block="2d")).
+    Source: spec items 1-6 and 11 with 2d blocks (reference.quantize(block="2d")).
     """
     if spec.block is not Block.D2 or spec.rht:
         raise ValueError(f"quantize_2d takes a 2d spec without RHT, got {spec}")
@@ -601,7 +633,8 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
         w, n, k, w.stride(0), w.stride(1), amax_, float(spec.amax_scale or 1.0), seed_a, off_a, 16,
         *(_pointers(wq) if wq else (w, w)), *(_pointers(wtq) if wtq else (w, w)), outer,
         W=write_w, WT=write_wt, SR=spec.sr, MULT=spec.amax_scale is not None,
-        INNER=bool(inner and write_w), SEED_PTR=seed_p, OFF_PTR=off_p)
+        INNER=bool(inner and write_w), FOS=fos_code(spec.four_over_six), SEED_PTR=seed_p,
+        OFF_PTR=off_p)
     return (_finished(wq) if wq else None), (_finished(wtq) if wtq else None)
 
 

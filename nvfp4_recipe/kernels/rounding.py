@@ -33,17 +33,24 @@ def abs_bits(x):
 
 
 @triton.jit
-def outer_scales(amax, mult, MULT: tl.constexpr):
+def outer_scales(amax, mult, MULT: tl.constexpr, FOS: tl.constexpr = 0):
     """Spec item 1 for fp32 ``amax`` (times ``mult`` first when MULT, item 8): (S_enc * (1/6),
-    S_dec) with ``S_enc = min(2688 / amax, FLT_MAX)`` and ``S_dec = 1 / S_enc``. S_dec is divided
-    in fp64, which rounds it correctly also where it is an fp32 subnormal (amax below about
-    3e-35); amax 0 gives S_enc = FLT_MAX, Inf gives 0 and NaN gives NaN (non-finite S_dec)."""
+    S_dec, amax) with ``S_enc = min(2688 / amax, FLT_MAX)`` and ``S_dec = 1 / S_enc``; with 4/6
+    (FOS, ``four_over_six.fos_code``) S_enc itself and 6 * its E4M3 bound in place of 2688. S_dec
+    is divided in fp64, which rounds it correctly also where it is an fp32 subnormal (amax below
+    about 3e-35); amax 0 gives S_enc = FLT_MAX, Inf gives 0 and NaN gives NaN (non-finite S_dec)."""
     if MULT:
         amax = amax * mult
-    s_enc = div_rn(tl.zeros_like(amax) + 2688.0, amax)
+    if FOS:
+        s_enc = div_rn(tl.zeros_like(amax) + 6.0 * (FOS - FOS % 4), amax)
+    else:
+        s_enc = div_rn(tl.zeros_like(amax) + 2688.0, amax)
     s_enc = tl.where(s_enc > FLT_MAX, FLT_MAX, s_enc)  # NaN passes, as torch.clamp
     s_dec = (1.0 / s_enc.to(tl.float64)).to(tl.float32)  # fp64 "/" is IEEE division
-    return s_enc * ONE_SIXTH, s_dec
+    if FOS:
+        return s_enc, s_dec, amax
+    else:
+        return s_enc * ONE_SIXTH, s_dec, amax
 
 
 @triton.jit
@@ -86,7 +93,13 @@ def block_scale(bamax, s_enc6, s_dec):
     Returns (E4M3 code of sf as int32, its fp32 value, the fp32 encode scale); a NaN block (or
     S_dec) gives a NaN encode scale, which callers use to mask the block.
     """
-    s = bamax * s_enc6
+    return scale_and_encode(bamax * s_enc6, s_dec)
+
+
+@triton.jit
+def scale_and_encode(s, s_dec):
+    """The E4M3 block scale ``sf = e4m3(min(s, 448))`` of fp32 ``s`` >= 0 (or NaN) and the value
+    encode scale ``min(1 / (sf * S_dec), FLT_MAX)``: (code as int32, fp32 value, encode scale)."""
     s = tl.where(s > 448.0, 448.0, s)  # min(., FLT_MAX) then the clamp; NaN passes, as torch.clamp
     code, value = e4m3_rne(s)
     enc = rcp_rn(value * s_dec)

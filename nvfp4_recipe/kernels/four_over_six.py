@@ -1,0 +1,121 @@
+"""4/6 block scaling in the quantize kernels (spec item 11), bit-exact with
+``reference.four_over_six_scales``: TransformerEngine's ``_quantize_blockwise_4over6_reference``
+(TE main, ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``; arXiv 2512.02010).
+
+A kernel takes 4/6 as one constexpr per copy, FOS (:func:`fos_code`): 0 without it, so that a kernel
+without 4/6 compiles to the code it had before. With it, each block (or 16x16 tile) gets the scale
+of the candidate (map to 4 or to 6) whose RN error is smaller, and is then quantized as usual (RN
+or SR) under that scale.
+
+Rounding: the divisions by 6 and by 6 x bound are done in fp64 and rounded once to fp32, which is
+the IEEE fp32 quotient (double rounding of a quotient is innocuous from 53 bits), subnormal or not;
+the two places where the compiler could contract a product into the next addition (an FMA rounds
+once where the spec rounds twice) pass the product through a max with 0 first.
+"""
+
+from typing import Optional
+
+import triton
+import triton.language as tl
+
+from ..spec import FourOverSix, FourOverSixError
+from .rounding import e2m1_rn, scale_and_encode
+from .tiles import abs_max16
+
+
+def fos_code(fos: Optional[FourOverSix]) -> int:
+    """The FOS constexpr of a copy: 0 without 4/6, else its E4M3 bound (256 or 448) + 1 for the
+    MSE + 2 for fast math."""
+    if fos is None:
+        return 0
+    return fos.e4m3_max + (fos.error is FourOverSixError.MSE) + 2 * fos.fast_math
+
+
+@triton.jit
+def _rounded(p):
+    """``p`` (>= 0 or NaN) as its own rounded fp32 value, never contracted into an FMA (a NaN
+    becomes 0: only blocks whose scales are NaN either way have one)."""
+    return tl.maximum(p, 0.0)
+
+
+@triton.jit
+def _halves(t):
+    """(A, B, 2n) -> its even and odd elements along the last axis, (A, B, n) each."""
+    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 2, 2)))
+
+
+@triton.jit
+def sum16_in_order(e):
+    """e[..., 0] + e[..., 1] + ... + e[..., 15] of (A, B, 16) fp32, left to right: (A, B)."""
+    t = (e,)
+    for level in tl.static_range(4):
+        u = ()
+        for k in tl.static_range(1 << level):
+            even, odd = _halves(t[k])
+            u = u + (even, odd)
+        t = u
+    acc = t[0]  # element j is t[bit reversal of j] (even/odd splits, lowest bit first)
+    for j in tl.static_range(1, 16):
+        acc = acc + t[((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3)]
+    return tl.reshape(acc, (acc.shape[0], acc.shape[1]))
+
+
+@triton.jit
+def candidate_error(y, enc, sf, s_enc, amax, FOS: tl.constexpr):
+    """The RN error of one candidate for fp32 blocks ``y`` (A, B, 16) with E4M3 scale values
+    ``sf`` and encode scales ``enc`` (A, B); ``s_enc`` and ``amax`` broadcast against (A, B).
+    Per element, with q the E2M1 value of |y| * enc: ``q * sf * amax / (6 * bound) - |y|``
+    (fast math: ``q * sf - |y| * S_enc``), absolute or squared, summed in element order (the
+    signed difference of the spec has the same magnitude). Returns (A, B) fp32."""
+    a = tl.abs(y)
+    c = e2m1_rn(a * enc[:, :, None]).to(tl.float32, bitcast=True) - 8388608.0  # the code, exact
+    q = tl.maximum(tl.maximum(c * 0.5, c - 2.0), c * 2.0 - 8.0)  # the grid value of code c
+    val = q * sf[:, :, None]  # exact
+    if FOS & 2:
+        d = val - _rounded(a * (tl.zeros_like(enc) + s_enc)[:, :, None])
+    else:
+        p = val * (tl.zeros_like(enc) + amax)[:, :, None]
+        d = (p.to(tl.float64) / (6.0 * (FOS - FOS % 4))).to(tl.float32) - a
+    if FOS & 1:
+        e = _rounded(d * d)
+    else:
+        e = tl.abs(d)
+    return sum16_in_order(e)
+
+
+@triton.jit
+def candidates(bamax, s_enc, s_dec):
+    """Both candidates of blocks with fp32 amax ``bamax``: ``base = (bamax / 6) * S_enc``, map to
+    4 ``scale_and_encode(base * 1.5)`` and map to 6 ``scale_and_encode(base)``, 3 tensors each."""
+    base = (bamax.to(tl.float64) / 6.0).to(tl.float32) * s_enc
+    c4, v4, e4 = scale_and_encode(base * 1.5, s_dec)
+    c6, v6, e6 = scale_and_encode(base, s_dec)
+    return c4, v4, e4, c6, v6, e6
+
+
+@triton.jit
+def pick(map4, c4, v4, e4, c6, v6, e6):
+    """(code, value, encode scale) of map to 4 where ``map4``, else of map to 6."""
+    return tl.where(map4, c4, c6), tl.where(map4, v4, v6), tl.where(map4, e4, e6)
+
+
+@triton.jit
+def four_over_six_scale(y, s_enc, s_dec, amax, FOS: tl.constexpr):
+    """4/6 block scales of fp32 1d blocks ``y`` (A, B, 16): (E4M3 code as int32, its fp32 value,
+    the fp32 encode scale), each (A, B), as ``rounding.block_scale`` returns them; map to 4 where
+    its error is strictly smaller (ties keep map to 6)."""
+    c4, v4, e4, c6, v6, e6 = candidates(abs_max16(y), s_enc, s_dec)
+    map4 = candidate_error(y, e4, v4, s_enc, amax, FOS) < candidate_error(y, e6, v6, s_enc, amax, FOS)
+    return pick(map4, c4, v4, e4, c6, v6, e6)
+
+
+@triton.jit
+def tile_sum(err, BB: tl.constexpr, BC: tl.constexpr):
+    """(16 BB, BC) row errors -> (BB, BC) sums over each tile's 16 rows in TE's tree order (rows i
+    and i + 8, then i and i + 4, i + 2, i + 1: ``_sum_4over6_2d_error``)."""
+    r = tl.reshape(err, (BB, 16, BC))
+    for level in tl.static_range(4):
+        r = tl.reshape(r, (BB, 2, 8 >> level, BC))
+        lo, hi = tl.split(tl.permute(r, (0, 2, 3, 1)))
+        r = lo + hi
+    return tl.reshape(r, (BB, BC))
