@@ -1,0 +1,122 @@
+"""QuantStats: per layer and operand statistics of NVFP4 quantization during training, read from
+the very operands the GEMMs used; they agree with tensor_stats on the same tensor, cover dense and
+experts layers, record only on due steps and change no number of the training step."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nvfp4_recipe as nr
+from nvfp4_recipe import reference as R
+from nvfp4_recipe.inspect import _statistics, operand_counts
+from nvfp4_recipe.spec import Block, FourOverSix, QuantSpec, Rounding
+from nvfp4_cases import rand
+from test_moe import tiny_qwen3_moe
+
+OPERANDS = {"w", "x", "xt", "dy", "dyt"}
+
+
+def _q(x, spec, signs=None):
+    return nr.NVFP4Tensor.from_operand(R.quantize(x, spec, rht_signs=signs, seed=5), spec, x.dtype,
+                                       signs, "reference")
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(), QuantSpec(Block.D2), QuantSpec(rounding=Rounding.SR),
+                                  QuantSpec(rht=True)], ids=["1d", "2d", "sr", "rht"])
+def test_counts_agree_with_tensor_stats(spec):
+    """Flushed, saturated, zero block scales and the MSE equal tensor_stats' on the whole tensor
+    (random magnitudes over 2**+-12: zero and subnormal block scales occur)."""
+    x = rand((64, 128), seed=11)
+    signs = R.random_signs(torch.Generator().manual_seed(2)) if spec.rht else None
+    stats = _statistics(operand_counts(x, _q(x, spec, signs), spec, max_rows=64), False)
+    ref = nr.tensor_stats(x, spec, seed=5, rht_signs=signs)
+    for key in ("flushed_to_zero", "saturated", "zero_scale_blocks"):
+        assert stats[key] == pytest.approx(ref[key], abs=1e-12), key
+    assert stats["sqnr_db"] == pytest.approx(ref["sqnr_db"], rel=1e-9)
+    assert stats["relative_mse"] == pytest.approx(10 ** (-ref["sqnr_db"] / 10), rel=1e-9)
+    scale = _q(x, spec, signs).scale.float()
+    subnormal = ((scale > 0) & (scale < 2 ** -6)).double().mean().item()
+    assert stats["subnormal_scale_blocks"] == pytest.approx(subnormal)
+    assert 0 < stats["zero_scale_blocks"] < 1 and 0 < stats["flushed_to_zero"] < 1
+    assert stats["subnormal_scale_blocks"] > 0 or spec.block is Block.D2  # 16x16 tiles: larger amaxes
+
+
+def test_max_rows_reads_the_first_rows_of_the_whole_tensors_quantization():
+    x = rand((96, 64), seed=4)
+    spec = QuantSpec()
+    head = operand_counts(x, _q(x, spec), spec, max_rows=32)
+    whole = R.dequantize(_q(x, spec).operand)[:32]
+    assert head["elements"] == 32 * 64
+    assert head["flushed"] == ((whole == 0) & (x[:32] != 0)).sum().item()
+
+
+@pytest.mark.parametrize("block", [Block.D1, Block.D2])
+def test_mapped_to_4_is_the_share_of_blocks_whose_scale_4_over_6_changed(block):
+    """With the 448 bound 4/6's map-to-6 candidate is the plain scale: the blocks mapped to 4 are
+    exactly those whose block scale differs from the plain quantization's."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 128, generator=g)
+    # tiles of integers in [-4, 4]: map-to-4 puts them on the E2M1 grid, map-to-6 (x 1.5) does not
+    x[16:48, :64] = torch.randint(-4, 5, (32, 64), generator=g) * 0.25
+    x = x.to(torch.bfloat16)
+    plain = QuantSpec(block)
+    fos = QuantSpec(block, four_over_six=FourOverSix(e4m3_max=448))
+    counts = operand_counts(x, _q(x, fos), fos, max_rows=64)
+    changed = (_q(x, fos).scale.float() != _q(x, plain).scale.float()).double().mean().item()
+    assert 0 < _statistics(counts, True)["mapped_to_4"] == pytest.approx(changed)
+    assert "mapped_to_4" not in _statistics(counts, False)
+
+
+def _step(model, x):
+    out = model(x)
+    (out.logits if hasattr(out, "logits") else out).float().square().mean().backward()
+
+
+def test_records_due_steps_of_every_layer_and_changes_no_number():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    plain = nr.quantize_(copy.deepcopy(base), nr.NVFP4Recipe(backend="reference"))
+    watched = nr.quantize_(copy.deepcopy(base), nr.NVFP4Recipe(backend="reference"))
+    stats = nr.QuantStats(watched, every=2)
+    for step in range(3):
+        x = torch.randn(32, 64)
+        _step(plain, x)
+        with stats.step(step):
+            _step(watched, x)
+    assert [h["step"] for h in stats.history] == [0, 2]
+    for entry in stats.history:
+        assert set(entry["layers"]) == {"0", "2"}
+        for ops in entry["layers"].values():
+            assert set(ops) == OPERANDS
+            for s in ops.values():
+                assert 0 <= s["flushed_to_zero"] < 1 and 0 <= s["saturated"] < 1
+                assert 0 < s["relative_mse"] < 0.1 and math.isfinite(s["sqnr_db"])
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert all(m.captured is None for m in watched.modules() if isinstance(m, nr.layer.NVFP4Module))
+
+
+def test_experts_projections_are_layers_of_their_own():
+    model = nr.quantize_(tiny_qwen3_moe(), nr.NVFP4Recipe(backend="reference", four_over_six="all"))
+    stats = nr.QuantStats(model, every=1)
+    with stats.step(0):
+        _step(model, torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)))
+    layers = stats.history[0]["layers"]
+    experts = [name for name in layers if ".mlp.experts." in name]
+    assert experts == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    for name in experts:
+        assert set(layers[name]) == OPERANDS
+        assert all(0 <= s["mapped_to_4"] <= 1 for s in layers[name].values())
+        assert layers[name]["x"]["relative_mse"] > 0
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        nr.QuantStats(nn.Linear(16, 16), every=0)
+    with pytest.raises(ValueError, match="max_rows must be a positive multiple of 16"):
+        nr.QuantStats(nn.Linear(16, 16), max_rows=20)
+    with pytest.raises(TypeError):
+        nr.QuantStats("model")
