@@ -149,3 +149,18 @@ def test_from_hp_takes_the_4_over_6_arguments():
         NVFP4Tensor.from_hp(x, four_over_six="mae", four_over_six_e4m3_max=512)
     with pytest.raises(ValueError, match="four_over_six=None"):
         NVFP4Tensor.from_hp(x, four_over_six_e4m3_max=256)
+
+
+@pytest.mark.parametrize("sp", [QuantSpec("2d", four_over_six=FourOverSix("mse", 256)),
+                                QuantSpec(scaling="per_token", four_over_six=FourOverSix())],
+                         ids=["2d", "1d-per_token"])
+def test_triton_backend_quantizes_transposed_views_as_the_reference(sp):
+    """A transposed view is read through its base; with 4/6 the 2d tiles of x.t() are not the
+    transpose of x's (a tile's row errors add in another order), so they are quantized as x.t()."""
+    x = fresh((64, 48), torch.bfloat16).t()
+    t = NVFP4Tensor.from_hp(x, block=sp.block.value, scaling=sp.scaling.value,
+                            four_over_six=sp.four_over_six.error.value,
+                            four_over_six_e4m3_max=sp.four_over_six.e4m3_max, backend="triton")
+    ref = R.quantize(x, sp)
+    assert torch.equal(t.qdata, ref.qdata)
+    assert torch.equal(t.scale.view(torch.uint8), ref.scale.view(torch.uint8))

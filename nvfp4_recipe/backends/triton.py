@@ -231,7 +231,9 @@ class TritonBackend(Backend):
             return _REFERENCE.quantize(x, spec, seed=seed, offset=offset, signs=signs,
                                        amax_reduce=amax_reduce)
         amax_ = _reduced_2d_amax(x, amax_reduce)
-        if _is_transposed_view(x) and not spec.sr:  # quantize_2d(x) is the exact transpose of x.t()'s
+        # quantize_2d(x) is the exact transpose of x.t()'s, but for SR's bits and 4/6's error
+        # sums (the order of a tile's additions)
+        if _is_transposed_view(x) and not spec.sr and spec.four_over_six is None:
             return quantize_2d(x.t(), spec, write_w=False, amax=amax_)[1]
         return quantize_2d(x, spec, seed=seed, offset=offset, write_wt=False, amax=amax_)[0]
 
