@@ -19,6 +19,7 @@ then serves the timed process), which shortens a cold run on a many-core machine
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -33,11 +34,14 @@ from nvfp4_recipe import reference as R  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
 from nvfp4_recipe.kernels.quantize import amax_pass, quantize_1d, quantize_2d  # noqa: E402
-from nvfp4_recipe.spec import QuantSpec  # noqa: E402
+from nvfp4_recipe.spec import FourOverSix, QuantSpec  # noqa: E402
 
 SHAPES = [(16384, 4096), (16384, 14336)]
 X_ROW, X_COL = QuantSpec(), QuantSpec(rht=True)  # fprop X, wgrad X^T (recipe defaults)
 DY_ROW, DY_COL = QuantSpec(rounding="sr"), QuantSpec(rounding="sr", rht=True)  # dgrad dY, wgrad dY^T
+# 4/6 (docs/numerics.md item 11): the same copies choosing each block's scale by its MAE in x's
+# domain (fp64 divisions) or, with fast math, on the scaled values
+FOS, FOS_FAST = FourOverSix("mae", 256), FourOverSix("mae", 256, fast_math=True)
 
 
 def cases(x: torch.Tensor, signs: torch.Tensor):
@@ -73,9 +77,32 @@ def cases(x: torch.Tensor, signs: torch.Tensor):
          lambda: quantize_1d(x, X_ROW, QuantSpec(rht=True, amax_scale=2.0), signs=signs),
          4 * n + 2 * copy_out),
         ("total W 2D: amax + quantize", "total", lambda: quantize_2d(x), 4 * n + 2 * (n // 2 + n // 256)),
+        *four_over_six_cases(x, signs, plain, both, copy_out),
         ("NVFP4Tensor.from_hp RN (public API)", "api", lambda: NVFP4Tensor.from_hp(x), 2 * n + copy_out),
         ("NVFP4Tensor.from_hp SR + RHT (public API)", "api",
          lambda: NVFP4Tensor.from_hp(x, rounding="sr", rht=True), 2 * n + copy_out),
+    ]
+
+
+def four_over_six_cases(x, signs, plain, both, copy_out):
+    """The 4/6 rows: the X pair, the dY pair (SR) and W 2D, each with 4/6 on every copy, in both
+    error paths; compare with the rows of the same copies without 4/6."""
+    return [row for tag, fos in (("4/6 MAE", FOS), ("4/6 MAE fast math", FOS_FAST))
+            for row in _four_over_six_rows(x, signs, plain, both, copy_out, tag, fos)]
+
+
+def _four_over_six_rows(x, signs, plain, both, copy_out, tag, fos):
+    n = x.numel()
+    x_row, x_col, dy_row, dy_col, w = (dataclasses.replace(sp, four_over_six=fos) for sp in
+                                       (X_ROW, X_COL, DY_ROW, DY_COL, QuantSpec("2d")))
+    sr = dict(seed=7, row_offset=0, col_offset=2**31)
+    return [
+        (f"quantize X rowwise RN + X^T RHT RN, {tag}", "four_over_six",
+         lambda: quantize_1d(x, x_row, x_col, signs=signs, amaxes=both), 2 * n + 2 * copy_out),
+        (f"quantize dY rowwise SR + dY^T RHT SR, {tag}", "four_over_six",
+         lambda: quantize_1d(x, dy_row, dy_col, signs=signs, amaxes=both, **sr), 2 * n + 2 * copy_out),
+        (f"quantize W 2D (W and W^T), {tag}", "four_over_six",
+         lambda: quantize_2d(x, w, amax=plain), 2 * n + 2 * (n // 2 + n // 256)),
     ]
 
 
@@ -160,7 +187,7 @@ def main():
                 same_size[nbytes] = copy_gbps(nbytes // 2)
             kern = (Q._quantize_2d_kernel if "2D" in name else Q._quantize_1d_kernel
                     if "pair" in name or "^T" in name else Q._quantize_rows_kernel)
-            cfg = getattr(kern, "best_config", None) if kind in ("quantize", "total") else None
+            cfg = getattr(kern, "best_config", None) if kind in ("quantize", "total", "four_over_six") else None
             rows.append({"shape": f"{m}x{k}", "kernel": name, "kind": kind, "us": ms * 1e3,
                          "GB/s": bw, "% of copy": 100 * bw / copy,
                          "% of same-size copy": 100 * bw / same_size[nbytes], "bytes": nbytes,
