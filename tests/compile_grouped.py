@@ -43,17 +43,18 @@ QUANT = dict(x_ptr="*bf16", M=I32, K=I32, stride_m=I32, stride_k=I32, offs_ptr="
              cs_ptr="*u8", co_ptr="*fp32", camax_ptr="*fp32", c_mult="fp32", coff_arg="i64",
              dq_ptr="*u8", ds_ptr="*u8", dout_ptr="*fp16",
              **{n: I32 for n in ("D_R", "D_KB", "d_stride_q", "d_stride_s", "d_stride_o")},
-             **const(*FLAGS, "SEED_PTR", "ROFF_PTR", "COFF_PTR", "DEQ", "D_BLOCK_2D", "D_BR", "D_H",
-                     "D_EVEN_K", "D_PTX", "BB", "BC"))
+             **const(*FLAGS, "ROW_FOS", "COL_FOS", "SEED_PTR", "ROFF_PTR", "COFF_PTR", "DEQ",
+                     "D_BLOCK_2D", "D_BR", "D_H", "D_EVEN_K", "D_PTX", "BB", "BC"))
 EXPERTS = dict(w_ptr="*fp32", N=I32, K=I32, stride_g=I32, stride_n=I32, stride_k=I32,
                amax_ptr="*fp32", mult="fp32", seed_arg="i64", off_arg="i64", mul16=I32,
                q_ptr="*i64", s_ptr="*u8", qt_ptr="*i64", st_ptr="*u8", o_ptr="*fp32",
-               **const("W", "WT", "SR", "MULT", "INNER", "SEED_PTR", "OFF_PTR", "BB", "BC"))
+               **const("W", "WT", "SR", "MULT", "INNER", "FOS", "SEED_PTR", "OFF_PTR", "BB", "BC"))
 
 
-def quant_flags(on, inner=(), deq=False):
+def quant_flags(on, inner=(), deq=False, fos=0):
     """QUANT's signature and constexprs with the flags ``on`` set (inner copies as fp16 values),
-    with a 2d operand's dequantize pass riding along (``deq``, the dgrad W^T of the dY pair)."""
+    with a 2d operand's dequantize pass riding along (``deq``, the dgrad W^T of the dY pair) and
+    4/6 code ``fos`` on both copies (``kernels.four_over_six.fos_code``)."""
     sig = dict(QUANT)
     for side in inner:
         sig[side + "q_ptr"] = sig[side + "s_ptr"] = "*fp16"
@@ -61,7 +62,8 @@ def quant_flags(on, inner=(), deq=False):
     flags.update(ROW_INNER="r" in inner, COL_INNER="c" in inner)
     rider = dict(DEQ=deq, D_BLOCK_2D=deq, D_BR=32 if deq else 1, D_H=128 if deq else 1,
                  D_EVEN_K=True, D_PTX=deq)
-    return sig, dict(flags, SEED_PTR=True, ROFF_PTR=False, COFF_PTR=False, BB=2, BC=8, **rider)
+    return sig, dict(flags, ROW_FOS=fos, COL_FOS=fos, SEED_PTR=True, ROFF_PTR=False,
+                     COFF_PTR=False, BB=2, BC=8, **rider)
 
 
 def variants(capability):
@@ -76,21 +78,27 @@ def variants(capability):
         yield f"amax {row}/{col}/{rht}", KG._grouped_amax_kernel.fn, AMAX, \
             dict(ROW=row, COL=col, COL_RHT=rht, GP=8, BB=2, BC=16, P=4)
     inner = ("r", "c") if capability >= 89 else ()
-    for name, on, inn in (("X pair", ("ROW", "COL", "COL_RHT"), inner[:1]),
-                          ("dY pair", ("ROW", "ROW_SR", "COL", "COL_RHT", "COL_SR"), inner),
-                          ("per-token pair", ("ROW", "ROW_PER_TOKEN", "COL", "COL_RHT",
-                                              "COL_PER_TOKEN", "COL_MULT"), ()),
-                          ("rows only", ("ROW",), ())):
-        sig, consts = quant_flags(on, inn, deq=name == "dY pair" and capability >= 89)
+    # 4/6 codes: 0 off, 257 MSE bound 256, 450 MAE fast math bound 448
+    for name, on, inn, fos in (("X pair", ("ROW", "COL", "COL_RHT"), inner[:1], 0),
+                               ("dY pair", ("ROW", "ROW_SR", "COL", "COL_RHT", "COL_SR"), inner, 0),
+                               ("per-token pair", ("ROW", "ROW_PER_TOKEN", "COL", "COL_RHT",
+                                                   "COL_PER_TOKEN", "COL_MULT"), (), 0),
+                               ("rows only", ("ROW",), (), 0),
+                               ("dY pair 4/6", ("ROW", "ROW_SR", "COL", "COL_RHT", "COL_SR"), inner,
+                                257),
+                               ("per-token pair 4/6", ("ROW", "ROW_PER_TOKEN", "COL", "COL_RHT",
+                                                       "COL_PER_TOKEN", "COL_MULT"), (), 450)):
+        sig, consts = quant_flags(on, inn, deq=name == "dY pair" and capability >= 89, fos=fos)
         yield "quantize " + name, KG._quantize_grouped_kernel.fn, sig, consts
-    for sr, inner in ((False, False), (True, False), (False, True)):
+    for sr, inner, fos in ((False, False, 0), (True, False, 0), (False, True, 0), (True, False, 257),
+                           (False, True, 450)):
         if inner and capability < 89:
             continue
-        flags = dict(W=True, WT=True, SR=sr, MULT=False, INNER=inner, SEED_PTR=False,
+        flags = dict(W=True, WT=True, SR=sr, MULT=False, INNER=inner, FOS=fos, SEED_PTR=False,
                      OFF_PTR=False, BB=2, BC=8)
         sig = dict(EXPERTS, q_ptr="*fp16", s_ptr="*fp16") if inner else EXPERTS
-        yield f"experts 2d sr={sr} inner={inner}", KG._experts_2d_kernel.fn, sig, flags
-        yield (f"dense 2d sr={sr} inner={inner}", Q._quantize_2d_kernel.fn,
+        yield f"experts 2d sr={sr} inner={inner} fos={fos}", KG._experts_2d_kernel.fn, sig, flags
+        yield (f"dense 2d sr={sr} inner={inner} fos={fos}", Q._quantize_2d_kernel.fn,
                {k: v for k, v in sig.items() if k != "stride_g"}, flags)
 
 
