@@ -22,6 +22,7 @@ is recorded by the body (or fake) the first time a key runs and read back while 
 """
 
 import ast
+import dataclasses
 import enum
 import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -30,11 +31,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..operand import GroupedOperand, NVFP4Operand
-from ..spec import BackendName, Block, QuantSpec, Rounding, Scaling
+from ..spec import BackendName, Block, FourOverSix, FourOverSixError, QuantSpec, Rounding, Scaling
 
 _TUPLES = {"tuple": tuple, "NVFP4Operand": NVFP4Operand, "GroupedOperand": GroupedOperand}
-_ENUMS = {(kind.__name__, m.value): m for kind in (Block, Scaling, Rounding, BackendName)
-          for m in kind}
+_ENUMS = {(kind.__name__, m.value): m
+          for kind in (Block, Scaling, Rounding, BackendName, FourOverSixError) for m in kind}
+# the frozen dataclasses that cross the boundary (by name), rebuilt from their fields in order
+_DATACLASSES = {cls.__name__: cls for cls in (QuantSpec, FourOverSix)}
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                torch.uint8, torch.int32, torch.int64, torch.float8_e4m3fn)}
 _DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
@@ -54,8 +57,9 @@ def _encode(obj: Any, tensors: List[Optional[torch.Tensor]]) -> tuple:
         return ("T",)
     if isinstance(obj, enum.Enum):
         return ("E", type(obj).__name__, obj.value)
-    if isinstance(obj, QuantSpec):
-        return ("Q", obj.block.value, obj.scaling.value, obj.rounding.value, obj.rht, obj.amax_scale)
+    if isinstance(obj, (QuantSpec, FourOverSix)):
+        return ("F", type(obj).__name__,
+                tuple([_encode(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)]))
     if isinstance(obj, torch.dtype):
         return ("D", _DTYPE_NAMES[obj])
     if isinstance(obj, tuple):
@@ -75,8 +79,8 @@ def _decode(struct: tuple, tensors) -> Any:
         return next(tensors)
     if tag == "E":
         return _ENUMS[(struct[1], struct[2])]
-    if tag == "Q":
-        return _spec(*struct[1:])
+    if tag == "F":
+        return _dataclass(struct[1], *[_decode(s, tensors) for s in struct[2]])
     if tag == "D":
         return _DTYPES[struct[1]]
     if tag == "U":
@@ -89,8 +93,8 @@ def _decode(struct: tuple, tensors) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _spec(*fields) -> QuantSpec:
-    return QuantSpec(*fields)
+def _dataclass(name: str, *fields) -> Any:
+    return _DATACLASSES[name](*fields)
 
 
 @functools.lru_cache(maxsize=None)
