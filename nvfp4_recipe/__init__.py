@@ -20,7 +20,7 @@ import importlib.util
 _PUBLIC = {"NVFP4Recipe": "recipe", "NVFP4Tensor": "tensor", "NVFP4Linear": "linear",
            "NVFP4Conv1D": "conv1d", "NVFP4GroupedExperts": "moe", "NVFP4HFExperts": "moe",
            "NVFP4Operand": "operand", "QuantSpec": "spec", "GemmRole": "spec", "quantize_": "api",
-           "dequantize_": "api", "summary": "inspect", "tensor_stats": "inspect", "capture": "inspect",
+           "dequantize_": "api", "set_recipe": "api", "summary": "inspect", "tensor_stats": "inspect", "capture": "inspect",
            "QuantStats": "inspect",
            "cached_weights": "layer", "export": "serving", "record_amaxes": "serving",
            "NVFP4FrozenLinear": "frozen", "load_frozen": "frozen", "lora_config": "frozen"}

@@ -8,9 +8,11 @@ high precision and why (a WARNING when any is) and gives each layer its own SR s
 from its name. The swap is also registered with torchao's
 ``quantize_``, whose handler is called with a module and the recipe only (torchao 0.18: no name,
 no model): through that entry point a recipe that needs the layer names (``keep_bf16``,
-``keep_first_last``, ``stochastic_rounding``) raises a ValueError that points here.
+``keep_first_last``, ``keep_first_blocks``, ``keep_last_blocks``, ``stochastic_rounding``) raises a
+ValueError that points here. :func:`set_recipe` changes the recipe of a quantized model in place.
 """
 
+import dataclasses
 import difflib
 import fnmatch
 import logging
@@ -24,6 +26,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 
 from . import moe
 from .backends import get_backend
+from .blocks import repeated_blocks
 from .conv1d import NVFP4Conv1D, features, is_conv1d
 from .formats import BLOCK
 from .layer import NVFP4Module
@@ -92,6 +95,8 @@ def _check_same_recipe(fqn: str, layer: nn.Module, recipe: NVFP4Recipe) -> None:
 _NEEDS_NAMES = {
     "keep_bf16": "its patterns match layer names",
     "keep_first_last": "it needs the order of the model's linear layers",
+    "keep_first_blocks": "it needs the model's blocks",
+    "keep_last_blocks": "it needs the model's blocks",
     "stochastic_rounding": "each layer's SR stream is derived from the layer's name",
 }
 
@@ -153,6 +158,31 @@ def _other_weights(model: nn.Module, layers: Dict[str, nn.Module]) -> Dict[str, 
     return reasons
 
 
+def _kept_blocks(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
+    """{block fqn: why} for the first/last blocks ``recipe.keep_first_blocks`` /
+    ``keep_last_blocks`` keep in high precision (``blocks.repeated_blocks``).
+
+    Raises:
+        ValueError: they are set and the model has no repeated blocks.
+    """
+    if not (recipe.keep_first_blocks or recipe.keep_last_blocks):
+        return {}
+    try:
+        blocks = [fqn for fqn, _ in repeated_blocks(model)]
+    except ValueError as e:
+        raise ValueError(f"NVFP4Recipe.keep_first_blocks / keep_last_blocks: {e}") from None
+    first, last = recipe.blocks_kept(len(blocks))
+    kept = {fqn: f"in block {fqn}, one of the last {last} of {len(blocks)} blocks (keep_last_blocks)"
+            for fqn in blocks[len(blocks) - last:]}
+    kept.update({fqn: f"in block {fqn}, one of the first {first} of {len(blocks)} blocks "
+                      f"(keep_first_blocks)" for fqn in blocks[:first]})
+    return kept
+
+
+def _in_block(fqn: str, blocks: Dict[str, str]) -> Optional[str]:
+    return next((why for block, why in blocks.items() if fqn.startswith(block + ".")), None)
+
+
 def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
                  filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Dict[str, str]:
     """fqn -> the reason, for each module that ``quantize_(model, recipe, filter_fn)`` would leave
@@ -163,10 +193,13 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
 
     The first/last ``recipe.keep_first_last`` layers are counted among all linear layers, NVFP4
     ones included, so a second ``quantize_`` with the same recipe selects the same layers. The
-    routers of MoE layers stay in high precision (``moe.router_ids``).
+    first/last ``keep_first_blocks`` / ``keep_last_blocks`` transformer blocks
+    (``blocks.repeated_blocks``) keep every layer inside them. The routers of MoE layers stay in
+    high precision (``moe.router_ids``).
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
+        ValueError: the recipe keeps first/last blocks and the model has no repeated blocks.
     """
     check_module("skip_reasons", model)
     linears = linear_layers(model)
@@ -176,10 +209,13 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
     out_projs = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     routers = moe.router_ids(model)
     experts = moe.experts_modules(model)
+    blocks = _kept_blocks(model, recipe)
     reasons = moe.experts_skip_reasons(model, recipe)
     for fqn, module in experts.items():
-        problem = None if isinstance(module, NVFP4Module) else _dtype_problem(module)
-        if fqn not in reasons and problem is not None:
+        if isinstance(module, NVFP4Module) or fqn in reasons:
+            continue
+        problem = _in_block(fqn, blocks) or _dtype_problem(module)
+        if problem is not None:
             reasons[fqn] = problem
     for fqn, module in linears.items():
         if isinstance(module, NVFP4Linear):
@@ -189,6 +225,8 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
             reasons[fqn] = f"matches keep_bf16 pattern {pattern!r}"
         elif fqn in edge:
             reasons[fqn] = f"among the first/last {n} linear layers (keep_first_last)"
+        elif (block := _in_block(fqn, blocks)) is not None:
+            reasons[fqn] = block
         elif id(module) in out_projs:
             reasons[fqn] = "out_proj of an nn.MultiheadAttention, which uses its weight, not its forward"
         elif id(module) in routers:
@@ -303,6 +341,49 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
     model = swapped.get(id(model), model)
     model.nvfp4_kept = kept
     _report(model, kept)
+    return model
+
+
+# Fields set_recipe leaves alone: which layers are quantized, and what the SR and RHT buffers hold.
+_FIXED = {"keep_bf16": "which layers are in NVFP4", "keep_first_last": "which layers are in NVFP4",
+          "keep_first_blocks": "which layers are in NVFP4", "keep_last_blocks": "which layers are in NVFP4",
+          "seed": "the layers' SR streams", "rht_signs": "the layers' RHT sign buffers"}
+
+
+def set_recipe(model: nn.Module, **changes) -> nn.Module:
+    """Change fields of the recipe of every NVFP4 module of ``model`` in place
+    (``dataclasses.replace`` of each module's recipe); returns the model. The SR streams go on
+    where they are (``sr_step`` is kept), the Parameters and optimizer state are untouched, and
+    the weights :func:`cached_weights` kept are dropped. E.g. fprop in bf16 for the last tenth of
+    the steps (NVIDIA, arXiv 2509.25149, App. D)::
+
+        if step == int(0.9 * steps):
+            nvfp4_recipe.set_recipe(model, forward_override="high_precision")
+
+    A compiled model recompiles at its next call; a captured CUDA graph must be captured again.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module, or a change names no NVFP4Recipe field.
+        ValueError: the model has no NVFP4 module; a change to a field fixed at ``quantize_``
+            (layer selection, ``seed``, ``rht_signs``: ``dequantize_`` and ``quantize_`` again,
+            which restarts the SR streams); an invalid value (as NVFP4Recipe). No module is
+            changed then.
+    """
+    check_module("set_recipe", model)
+    names = {f.name for f in dataclasses.fields(NVFP4Recipe)}
+    for name in changes:
+        if name not in names:
+            raise TypeError(f"set_recipe: NVFP4Recipe has no field {name!r}")
+        if name in _FIXED:
+            raise ValueError(f"set_recipe cannot change {name}: it sets {_FIXED[name]} at quantize_; "
+                             f"call dequantize_(model), then quantize_(model, new_recipe)")
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Module)]
+    if not layers:
+        raise ValueError("set_recipe: the model has no NVFP4 module; call quantize_ first")
+    recipes = [dataclasses.replace(m.recipe, **changes) for m in layers]
+    for layer, recipe in zip(layers, recipes):
+        layer.recipe = recipe
+        layer._weight_cache = {}
     return model
 
 

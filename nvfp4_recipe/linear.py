@@ -17,12 +17,13 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from . import high_precision
 from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, local, next_sr_key, out_dtype, sr_key, training
 from .operand import NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import GemmRole
+from .spec import GemmRole, Override
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
@@ -37,9 +38,11 @@ def _amax_reduce(shard: Optional[TensorParallelShard], recipe: NVFP4Recipe, role
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
                  need_xt: bool, shard: Optional[TensorParallelShard] = None,
-                 w: Optional[NVFP4Operand] = None,
-                 ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand]]:
-    """fprop of an NVFP4 linear: ``Y = Q(X) @ Q(W)^T + bias`` on backend ``be``.
+                 w: Optional[NVFP4Operand] = None, keep: bool = False,
+                 ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[tuple]]:
+    """fprop of an NVFP4 linear: ``Y = Q(X) @ Q(W)^T + bias`` on backend ``be`` (with
+    ``recipe.forward_override``: ``X @ W^T + bias`` in ``out_dtype``, the copies for backward
+    quantized as usual).
 
     Args:
         x: (M, K) activations; weight: W (N, K); bias: None or (N,).
@@ -50,19 +53,27 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
             reduced over the group, so each shard is quantized as the whole tensor is.
         w: W as ``be.prepare_weight`` made it for fprop (:func:`cached_weights`), or None to
             quantize ``weight`` here; only without need_wt.
+        keep: also return fprop's operands (X as codes), for a dequantized backward.
     Returns:
-        (Y (M, N) of ``out_dtype``, W^T or None, X^T or None): the copies backward keeps, as codes.
+        (Y (M, N) of ``out_dtype``, W^T or None, X^T or None, (X, W) operands or None): the copies
+        backward keeps, as codes.
     """
+    reduce = lambda role: _amax_reduce(shard, recipe, role)
+    col = recipe.spec(GemmRole.X_WGRAD) if need_xt else None
+    if recipe.forward_override is not None:
+        wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=True,
+                               amax_reduce=reduce(GemmRole.W_FPROP))[1] if need_wt else None
+        xt = be.quantize_pair(x, None, col, signs=signs, amax_reduce=(
+            None, reduce(GemmRole.X_WGRAD)))[1] if need_xt else None
+        return high_precision.fprop(x.to(out_dtype), weight, bias), wt, xt, None
     wt = None
     if w is None:
         w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                                  amax_reduce=_amax_reduce(shard, recipe, GemmRole.W_FPROP))
-    xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP),
-                                 recipe.spec(GemmRole.X_WGRAD) if need_xt else None,
-                                 signs=signs, transient=(True, False),
-                                 amax_reduce=(_amax_reduce(shard, recipe, GemmRole.X_FPROP),
-                                              _amax_reduce(shard, recipe, GemmRole.X_WGRAD)))
-    return be.mm(xq, w, bias=bias, out_dtype=out_dtype), wt, xt
+                                  amax_reduce=reduce(GemmRole.W_FPROP))
+    xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP), col, signs=signs,
+                                 transient=(not keep, False),
+                                 amax_reduce=(reduce(GemmRole.X_FPROP), reduce(GemmRole.X_WGRAD)))
+    return be.mm(xq, w, bias=bias, out_dtype=out_dtype), wt, xt, ((xq, w) if keep else None)
 
 
 def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
@@ -124,19 +135,25 @@ class _NVFP4LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, signs, sr, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype, shard: Optional[TensorParallelShard]):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_dw and x.shape[0] % BLOCK:
+        override = recipe.backward_override
+        if need_dw and not override and x.shape[0] % BLOCK:
             raise ValueError(
                 f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the number "
                 f"of tokens (product of the input's leading dims) must be a multiple of {BLOCK}, "
                 f"got {x.shape[0]}. Pad each batch to a multiple of {BLOCK} tokens (Hugging Face: "
                 f"DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of={BLOCK}))"
                 f" or pack sequences; inference under torch.no_grad takes any number")
-        y, wt, xt = linear_fprop(resolved(backend), x, weight, bias, recipe, signs, out_dtype,
-                                 need_dx, need_dw, shard)
+        y, wt, xt, kept = linear_fprop(
+            resolved(backend), x, weight, bias, recipe, signs, out_dtype, need_dx and not override,
+            need_dw and not override, shard, keep=override is Override.DEQUANTIZED)
         ctx.recipe, ctx.backend, ctx.shard = recipe, backend, shard
-        ctx.w_block = wt.block if wt is not None else None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
+        if override is not None:
+            ctx.kept_blocks = tuple(op.block for op in kept) if kept else None
+            ctx.save_for_backward(weight, *high_precision.saved(override, x, *(kept or (None,) * 2)))
+            return y
+        ctx.w_block = wt.block if wt is not None else None
         none3 = (None, None, None)
         ctx.save_for_backward(*(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs)
         # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
@@ -147,20 +164,29 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        signs = saved[6]
-        wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None else None
-        xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None else None
-        seed = next_sr_key(*ctx.sr)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        wt, xt = wt if need_dx else None, xt if need_dw else None
+        override = ctx.recipe.backward_override
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = linear_grads(resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs, seed,
-                                  ctx.x_dtype, ctx.w_dtype, ctx.shard)
+            if override is not None:
+                weight, *kept = ctx.saved_tensors
+                x, w = high_precision.restored(override, weight, kept, ctx.kept_blocks)
+                dx, dw = high_precision.grads(dy, x, w, need_dx, need_dw, ctx.x_dtype, ctx.w_dtype)
+            else:
+                dx, dw = _nvfp4_grads(ctx, dy, need_dx, need_dw)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
         return dx, dw, db, None, None, None, None, None, None
+
+
+def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
+    """dgrad and wgrad in NVFP4 from what :class:`_NVFP4LinearFn` saved."""
+    saved = ctx.saved_tensors
+    signs = saved[6]
+    wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None and need_dx else None
+    xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None and need_dw else None
+    return linear_grads(resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs,
+                        next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype, ctx.shard)
 
 
 class NVFP4Linear(NVFP4Module, nn.Linear):

@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import high_precision
 from .backends import Backend, resolved
-from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
+from .backends.grouped import check_offsets, expert_rows, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, sr_key, training
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import GemmRole
+from .spec import GemmRole, Override
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
@@ -46,9 +47,11 @@ __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_lin
 # ----------------------------------------------------------------------------------------------
 def grouped_fprop(be: Backend, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                   recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype,
-                  need_wt: bool, need_xt: bool, wq: Optional[NVFP4Operand] = None,
-                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand]]:
-    """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``be``.
+                  need_wt: bool, need_xt: bool, wq: Optional[NVFP4Operand] = None, keep: bool = False,
+                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand], Optional[tuple]]:
+    """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``be`` (with
+    ``recipe.forward_override``: ``X_g @ W_g^T`` in ``out_dtype``, the copies for backward
+    quantized as usual).
 
     Args:
         x: (T, K) tokens sorted by expert; offs: int32 (G,) group ends; w: (G, N, K) weights.
@@ -56,18 +59,42 @@ def grouped_fprop(be: Backend, x: torch.Tensor, offs: torch.Tensor, w: torch.Ten
         need_wt, need_xt: also quantize each W_g^T (for dgrad) and each X_g^T (for wgrad).
         wq: the weights as ``be.quantize_experts`` made them for fprop (:func:`cached_weights`),
             or None to quantize ``w`` here; only without need_wt.
+        keep: also return fprop's operands as :func:`dequantizable` ones, for a dequantized
+            backward.
     Returns:
         (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
-        grouped along the tokens or None): the copies backward keeps, as codes.
+        grouped along the tokens or None; (X, W) operands or None): the copies backward keeps.
     """
+    col = recipe.spec(GemmRole.X_WGRAD) if need_xt else None
+    if recipe.forward_override is not None:
+        wt = be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=True,
+                                 transient=True)[1] if need_wt else None
+        xt = be.quantize_groups(x, offs, None, col, signs=signs)[1] if need_xt else None
+        return high_precision.fprop(x.to(out_dtype), w, offs=offs), wt, xt, None
     wt = None
     if wq is None:
         wq, wt = be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                                     transient=True)
-    xq, xt, _ = be.quantize_groups(x, offs, recipe.spec(GemmRole.X_FPROP),
-                         recipe.spec(GemmRole.X_WGRAD) if need_xt else None, signs=signs,
-                         transient=(True, False))
-    return be.grouped_mm(xq, wq, out_dtype=out_dtype), wt, xt
+                                     transient=not keep)
+    xq, xt, _ = be.quantize_groups(x, offs, recipe.spec(GemmRole.X_FPROP), col, signs=signs,
+                                   transient=(not keep, False))
+    y = be.grouped_mm(xq, wq, out_dtype=out_dtype)
+    return y, wt, xt, (dequantizable(xq), dequantizable_experts(wq)) if keep else None
+
+
+def dequantizable(xq: GroupedOperand) -> NVFP4Operand:
+    """A rows-grouped operand as a dense one with one outer scale per row (its group's, or its
+    own per token), which ``reference.dequantize`` takes."""
+    d = xq.data
+    if xq.per_token:
+        return d
+    rows = torch.arange(d.rows, device=xq.offs.device)
+    group = torch.searchsorted(xq.offs, rows, right=True).clamp_(max=xq.groups - 1)
+    return d._replace(outer_scale=d.outer_scale[group])
+
+
+def dequantizable_experts(wq: NVFP4Operand) -> NVFP4Operand:
+    """Stacked (G, N, K) expert weights with their (G,) outer scales spread over the rows (G, N)."""
+    return wq._replace(outer_scale=wq.outer_scale[:, None].expand(-1, expert_rows(wq)))
 
 
 def grouped_grads(be: Backend, dy: torch.Tensor, offs: torch.Tensor,
@@ -104,10 +131,16 @@ class _GroupedLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, offs, signs, sr, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, wt, xt = grouped_fprop(resolved(backend), x, offs, w, recipe, signs, out_dtype,
-                                  need_dx, need_dw)
+        override = recipe.backward_override
+        y, wt, xt, kept = grouped_fprop(
+            resolved(backend), x, offs, w, recipe, signs, out_dtype, need_dx and not override,
+            need_dw and not override, keep=override is Override.DEQUANTIZED)
         ctx.recipe, ctx.backend, ctx.sr = recipe, backend, sr
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        if override is not None:
+            ctx.kept_blocks = tuple(op.block for op in kept) if kept else None
+            ctx.save_for_backward(offs, w, *high_precision.saved(override, x, *(kept or (None,) * 2)))
+            return y
         ctx.w_block = wt.block if wt is not None else None
         ctx.xt_per_token = xt.per_token if xt is not None else None
         none3 = (None, None, None)
@@ -117,18 +150,27 @@ class _GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        offs, signs, *saved = ctx.saved_tensors
-        wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None else None
-        xt = None if saved[3] is None else GroupedOperand(NVFP4Operand(*saved[3:6]), offs, True,
-                                                          ctx.xt_per_token)
-        sr_seed, sr_step, sr_rank = ctx.sr
-        seed = next_sr_key(sr_seed, sr_step, sr_rank)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        override = ctx.recipe.backward_override
         with torch.autocast(dy.device.type, enabled=False):
-            dx, dw = grouped_grads(resolved(ctx.backend), dy.contiguous(),
-                                   offs, wt if ctx.needs_input_grad[0] else None,
-                                   xt if ctx.needs_input_grad[1] else None, ctx.recipe, signs,
-                                   seed, ctx.x_dtype, ctx.w_dtype)
+            if override is not None:
+                offs, w, *kept = ctx.saved_tensors
+                x, w = high_precision.restored(override, w, kept, ctx.kept_blocks)
+                dx, dw = high_precision.grads(dy.contiguous(), x, w, need_dx, need_dw,
+                                              ctx.x_dtype, ctx.w_dtype, offs)
+            else:
+                dx, dw = _nvfp4_grads(ctx, dy.contiguous(), need_dx, need_dw)
         return dx, dw, None, None, None, None, None, None
+
+
+def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
+    """dgrad and wgrad in NVFP4 from what :class:`_GroupedLinearFn` saved."""
+    offs, signs, *saved = ctx.saved_tensors
+    wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None and need_dx else None
+    xt = None if saved[3] is None or not need_dw else GroupedOperand(
+        NVFP4Operand(*saved[3:6]), offs, True, ctx.xt_per_token)
+    return grouped_grads(resolved(ctx.backend), dy, offs, wt, xt, ctx.recipe, signs,
+                         next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe,

@@ -7,6 +7,7 @@ gradients, per-tensor outer scales. ``docs/recipe.md`` describes every field.
 
 import enum
 import functools
+import math
 import numbers
 from dataclasses import Field, dataclass, field, fields, make_dataclass
 from typing import Annotated, Any, Literal, Optional, Tuple, Union, get_args, get_origin
@@ -19,7 +20,8 @@ from typing_extensions import Doc
 from .formats import BLOCK, FLT_MAX
 from .reference import DEFAULT_RHT_SIGNS
 from .spec import (FOUR_OVER_SIX_E4M3_MAX, BackendName, Block, FourOverSix, FourOverSixError,
-                   FourOverSixOperands, GemmRole, QuantSpec, Rounding, Scaling, enum_values, parse_enum)
+                   FourOverSixOperands, GemmRole, Override, QuantSpec, Rounding, Scaling, enum_values,
+                   parse_enum)
 
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
 # fewer than 2**35 elements (16 elements per counter).
@@ -127,6 +129,17 @@ class NVFP4Recipe(AOBaseConfig):
         four_over_six_e4m3_max: 256 (the paper's) or 448: the E4M3 bound of the 4/6 outer scale.
         four_over_six_fast_math: measure the 4/6 error on the scaled values (TE's fast math).
         The three four_over_six_* fields keep their defaults unless four_over_six is set.
+        backward_override: None (dgrad and wgrad in NVFP4), or an :class:`~nvfp4_recipe.spec.Override`:
+            HIGH_PRECISION ("high_precision": both from the unquantized X and W, saved for
+            backward, in the precision of dY) or DEQUANTIZED ("dequantized": from the forward's
+            NVFP4 X and W, saved as codes and dequantized in backward). TransformerEngine's
+            ``backward_override``.
+        forward_override: None (fprop in NVFP4) or HIGH_PRECISION ("high_precision": fprop from
+            the unquantized X and W; the backward keeps its recipe), e.g. for the last steps of a
+            run (NVIDIA, arXiv 2509.25149, App. D; ``nvfp4_recipe.set_recipe``).
+        keep_first_blocks, keep_last_blocks: keep the first / last transformer blocks (the
+            model's repeated blocks, ``blocks.repeated_blocks``) in high precision: an int count,
+            or a number in (0, 1) for that fraction of the blocks, rounded up.
 
     Raises:
         ValueError: ``"NVFP4Recipe.<field>: ..."`` at construction (and at ``dataclasses.replace``)
@@ -158,6 +171,15 @@ class NVFP4Recipe(AOBaseConfig):
     four_over_six_fast_math: bool = _field(
         False, "4/6 error on the scaled values (TransformerEngine's fast math)")
 
+    backward_override: Optional[Override] = _field(
+        None, "dgrad and wgrad in high precision: high_precision (unquantized X, W) or dequantized")
+    forward_override: Optional[Override] = _field(
+        None, "fprop in high precision (high_precision), the backward as the recipe says")
+    keep_first_blocks: float = _field(
+        0, "keep the first transformer blocks in high precision: a count or a fraction in (0, 1)")
+    keep_last_blocks: float = _field(
+        0, "keep the last transformer blocks in high precision: a count or a fraction in (0, 1)")
+
     def __post_init__(self):
         for name in ("rht", "stochastic_rounding", "weight_2d"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
@@ -177,10 +199,34 @@ class NVFP4Recipe(AOBaseConfig):
         self._set("keep_first_last", int(self.keep_first_last))
         self._set("seed", int(self.seed))
         self._check_four_over_six()
+        self._check_overrides()
+        for name in ("keep_first_blocks", "keep_last_blocks"):
+            value = getattr(self, name)
+            count = _is_number(value) and value >= 0 and float(value).is_integer()
+            _check(count or _is_number(value) and 0 < value < 1, name,
+                   f"must be a count >= 0 or a fraction in (0, 1), got {value!r}")
+            self._set(name, int(value) if count else float(value))
         # Not a field: left out of ==, hash and replace; spec() is asked on every layer step.
         specs = {role: self._quant_spec(role) for role in GemmRole}
         # by member and by value: spec(role) is then one dict lookup, which torch.compile traces
         self._set("_specs", {**specs, **{role.value: s for role, s in specs.items()}})
+
+    def _check_overrides(self) -> None:
+        for name in ("backward_override", "forward_override"):
+            if getattr(self, name) is not None:
+                self._set(name, parse_enum(Override, getattr(self, name), f"NVFP4Recipe.{name}"))
+        _check(self.forward_override in (None, Override.HIGH_PRECISION), "forward_override",
+               f"must be None or 'high_precision', got {_plain(self.forward_override)!r}")
+        _check(self.forward_override is None or self.backward_override is not Override.DEQUANTIZED,
+               "backward_override", "'dequantized' needs the forward's NVFP4 operands, but "
+               "forward_override='high_precision' runs fprop without them")
+
+    def blocks_kept(self, n_blocks: int) -> Tuple[int, int]:
+        """(first, last): how many of ``n_blocks`` repeated blocks stay in high precision at the
+        start and at the end (``keep_first_blocks`` / ``keep_last_blocks``; fractions rounded up)."""
+        def count(value):
+            return min(n_blocks, value if _is_int(value) else math.ceil(value * n_blocks))
+        return count(self.keep_first_blocks), count(self.keep_last_blocks)
 
     def _check_four_over_six(self) -> None:
         if self.four_over_six is not None:

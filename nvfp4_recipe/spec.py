@@ -63,6 +63,15 @@ class Rounding(_StrEnum):
     SR = "sr"
 
 
+class Override(_StrEnum):
+    """GEMMs a recipe takes out of NVFP4 (TransformerEngine's ``backward_override``): in the
+    precision of their inputs from the unquantized tensors, or from the forward's dequantized
+    NVFP4 operands (backward only)."""
+
+    HIGH_PRECISION = "high_precision"
+    DEQUANTIZED = "dequantized"
+
+
 class FourOverSixError(_StrEnum):
     """The error by which 4/6 picks a block's scale: sum of absolute or of squared errors."""
 

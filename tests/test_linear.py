@@ -263,8 +263,8 @@ def test_eager_calls_equal_the_registered_operators(backend):
 
     def run(compiling: bool):
         with mock.patch.object(torch.compiler, "is_compiling", lambda: compiling):
-            y, wt, xt = linear_fprop(be, x, w, None, r, signs, torch.float32, True, True)
-            y_eval, no_wt, no_xt = linear_fprop(be, x, w, None, r, signs, torch.float32, False, False)
+            y, wt, xt, _ = linear_fprop(be, x, w, None, r, signs, torch.float32, True, True)
+            y_eval, no_wt, no_xt, _ = linear_fprop(be, x, w, None, r, signs, torch.float32, False, False)
             assert no_wt is None and no_xt is None and torch.equal(y_eval, y)
             grads = linear_grads(be, dy, wt, xt, r, signs, seed, torch.float32, torch.float32)
         return [y, y_eval, *wt[:3], *xt[:3], *grads], (wt.block, xt.block)

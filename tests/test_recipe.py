@@ -145,13 +145,16 @@ def test_options_are_generated_from_the_recipe_fields():
         "rht": True, "rht_signs": None, "stochastic_rounding": True, "amax_estimation": None,
         "weight_2d": True, "scaling": "per_tensor", "keep_bf16": [], "keep_first_last": 0,
         "backend": "auto", "seed": 0, "four_over_six": None, "four_over_six_error": "mae",
-        "four_over_six_e4m3_max": 256, "four_over_six_fast_math": False}
+        "four_over_six_e4m3_max": 256, "four_over_six_fast_math": False, "backward_override": None,
+        "forward_override": None, "keep_first_blocks": 0, "keep_last_blocks": 0}
     assert type(Options().scaling) is str and Options().keep_bf16 is not Options().keep_bf16
     hints = typing.get_type_hints(Options, include_extras=True)
     types = {name: typing.get_args(hint)[0] for name, hint in hints.items()}  # Annotated[type, Doc]
     assert typing.get_args(types["scaling"]) == ("per_tensor", "per_token")
     assert typing.get_args(types["backend"]) == ("auto", "reference", "triton", "native")
     assert types["four_over_six"] == typing.Optional[typing.Literal["weights", "activations", "all"]]
+    assert types["backward_override"] == typing.Optional[typing.Literal["high_precision", "dequantized"]]
+    assert types["keep_last_blocks"] is float
     assert (types["keep_bf16"], types["rht_signs"], types["amax_estimation"], types["seed"]) == (
         list[str], typing.Optional[list[int]], typing.Optional[list[float]], int)
     helps = {name: typing.get_args(hint)[1].documentation for name, hint in hints.items()}
