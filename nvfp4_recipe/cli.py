@@ -12,11 +12,10 @@ from typing import Optional, Sequence
 
 from .spec import BackendName, enum_values
 from .train.config import (DESCRIPTIONS, EXIT_INTERRUPTED, EXIT_USAGE, MOE_EXPERTS, MOE_TOP_K, PROG,
-                           RECIPES)
+                           RECIPES, SEED_LIMIT)
 from .train.presets import PRESETS
 
 DEFAULT_RECIPES = ("bf16", "nvfp4")
-SEED_LIMIT = 2**31  # NVFP4Recipe.seed's range is [0, 2**31)
 
 
 def _recipe_help() -> str:
@@ -110,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("--eval-tokens", int, "validation tokens per pass")))
     opt.add_argument("--seed", type=_seed, default=0, metavar="N",
                      help="seeds the file split, the initialization, the data order and NVFP4Recipe.seed")
+    opt.add_argument("--seeds", type=int, default=1, metavar="N",
+                     help="train each recipe N times, with seeds --seed, --seed + 1, ... (the file "
+                          "split stays --seed's); the table adds the mean and standard deviation of "
+                          "each recipe's validation loss and gap (default 1)")
     run = p.add_argument_group("execution and output")
     run.add_argument("--device", default="auto",
                      help="torch device; auto = cuda if available, else cpu (default auto)")
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=("auto", "eager", "graph"), default="auto",
                      help="how steps run: eager (the plain loop) or graph (the whole step captured "
                           "in one CUDA graph and replayed: the same numbers without the host's kernel "
-                          "launch cost); auto = graph on CUDA for a dense model, eager elsewhere "
+                          "launch cost); auto = graph on CUDA in one process, eager elsewhere "
                           "(default auto)")
     run.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads of torch (torch.set_num_threads; default: the CPUs not busy, "
@@ -140,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write each NVFP4 recipe's trained model to DIR/<recipe>/ as an NVFP4 "
                           "checkpoint (compressed-tensors layout, docs/serving.md); DIR must not "
                           "exist or be empty")
+    run.add_argument("--quant-stats-every", type=int, default=0, metavar="N",
+                     help="record NVFP4 quantization statistics of every layer's operands every N "
+                          "steps (inspect.QuantStats: flushed to zero, saturated, relative MSE, zero "
+                          "and subnormal block scales, blocks mapped to 4) into results.json and "
+                          "quant_stats.png; a recorded step runs eagerly (default 0: off)")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return parser
 

@@ -233,7 +233,10 @@ FLAGS = {
     "four_over_six": (dict(four_over_six="weights"), (True, True, False)),  # W and W^T
     "four_over_six_activations": (dict(four_over_six="activations"), (True, True, True)),  # X^T: dW
     "four_over_six_all": (dict(four_over_six="all"), (True, True, True)),
-}
+    "backward_override": (dict(backward_override="high_precision"), (False, True, True)),
+    "backward_override_dequantized": (dict(backward_override="dequantized"), (False, True, True)),
+    "forward_override": (dict(forward_override="high_precision"), (True, False, False)),
+}  # keep_first_blocks / keep_last_blocks choose layers: tests/test_recipe_changes.py
 
 
 @pytest.mark.parametrize("flag", list(FLAGS))

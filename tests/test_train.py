@@ -170,6 +170,10 @@ def test_help_and_version_answer_without_importing_torch(args, patterns):
                               "the native backend needs a CUDA device, got cpu"),
     (["--experts", "0"], "nvfp4-recipe train: error: --experts must be >= 1 (leave out --moe, "
                          "--experts and --top-k for a dense model), got 0"),
+    (["--seeds", "0"], "nvfp4-recipe train: error: --seeds must be >= 1 with --seed + --seeds <= "
+                       "2**31, got 0"),
+    (["--quant-stats-every", "-1"],
+     "nvfp4-recipe train: error: --quant-stats-every must be >= 0 (0: off), got -1"),
     (["--device", "cpu", "--mode", "graph"],
      "nvfp4-recipe train: error: --mode graph needs a CUDA device (CUDA graphs), got cpu"),
 ])
@@ -216,7 +220,7 @@ def test_out_must_be_a_writable_directory_without_earlier_results(tmp_path, caps
     assert status == 0 and replaced["date"] >= first["date"] and replaced["command"].endswith("--overwrite")
 
 
-def _fake_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None):
+def _fake_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None, on_trained=None):
     """Stands in for loop.train_run: bf16 'finishes' at once, any other recipe is interrupted."""
     if recipe != "bf16":
         raise KeyboardInterrupt
@@ -293,3 +297,53 @@ def test_step_mode_picks_graph_only_on_cuda_in_one_process():
     assert TrainConfig(mode="eager").step_mode(cuda, data_parallel=True) == "eager"
     assert TrainConfig(mode="auto", n_experts=4).step_mode(cuda) == "graph"
     assert TrainConfig(mode="graph", n_experts=4).step_mode(cuda) == "graph"
+
+
+def _seeded_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None, on_trained=None):
+    """Stands in for loop.train_run: a validation loss made of the recipe and the seed."""
+    val = {"bf16": 3.0, "nvfp4-no-sr": 3.3}[recipe] + 0.1 * cfg.seed
+    return RunResult(recipe, "ok", steps=2, params=1, quantized="0/1", train_loss=val, val_loss=val,
+                     mode="eager", tokens_per_s=1.0, peak_memory_bytes=None, wall_s=0.1,
+                     seed=cfg.seed, train_curve=[4.0, val], val_curve=[[0, 5.5], [2, val]])
+
+
+def test_seeds_train_each_recipe_per_seed_and_table_the_mean_and_std(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(job, "train_run", _seeded_run)
+    status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4-no-sr", "--seeds", "3", "--seed", "4")
+    assert status == 0
+    assert [(r["recipe"], r["seed"]) for r in results["runs"]] == [
+        (name, seed) for seed in (4, 5, 6) for name in ("bf16", "nvfp4-no-sr")]
+    for r in results["runs"]:  # each run's gap is to the baseline of its own seed
+        base = 3.0 + 0.1 * r["seed"]
+        assert r["val_gap_to_baseline"] == pytest.approx((r["val_loss"] - base) / base)
+    out = capsys.readouterr().out
+    vals = [3.3 + 0.1 * s for s in (4, 5, 6)]
+    gaps = [100 * 0.3 / (3.0 + 0.1 * s) for s in (4, 5, 6)]
+    mean = lambda v: sum(v) / 3
+    std = lambda v: math.sqrt(sum((x - mean(v)) ** 2 for x in v) / 2)
+    row = f"| nvfp4-no-sr | 3    | {mean(vals):.4f} +- {std(vals):.4f} | {mean(gaps):+.2f} +- {std(gaps):.2f} % |"
+    assert row in out, out
+    assert "| bf16 (seed 5)" in out
+
+
+@pytest.mark.skipif(not _nvfp4_available(), reason="needs the NVFP4 layers")
+def test_quant_stats_are_recorded_in_results_and_plotted(tmp_path):
+    status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4-4over6", "--steps", "20",
+                             "--quant-stats-every", "10")
+    assert status == 0
+    bf16, nvfp4 = results["runs"]
+    assert bf16["quant_stats"] == []
+    assert [h["step"] for h in nvfp4["quant_stats"]] == [0, 10]
+    layer = nvfp4["quant_stats"][1]["layers"]["blocks.0.mlp.fc1"]
+    assert set(layer) == {"w", "x", "xt", "dy", "dyt"}
+    assert 0 < layer["x"]["relative_mse"] < 0.1 and 0 <= layer["x"]["mapped_to_4"] <= 1
+    assert "mapped_to_4" not in layer["dy"]  # 4/6 on the weights and activations only
+    assert (tmp_path / "out" / "quant_stats.png").exists() == _has_matplotlib()
+
+
+@pytest.mark.parametrize("name", ["nvfp4-4over6", "nvfp4-4over6-all", "nvfp4-tail", "nvfp4-bwd-hp",
+                                  "nvfp4-4over6-tail"])
+def test_the_recipes_of_the_field_are_in_the_table(name):
+    from nvfp4_recipe.train.recipes import make_recipe
+    recipe = make_recipe(name, 0, "auto")
+    assert recipe != make_recipe("nvfp4", 0, "auto") and name in cli._recipe_help()

@@ -19,6 +19,7 @@ PROG = "nvfp4-recipe"
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 VOCAB = 256  # bytes
 MOE_EXPERTS, MOE_TOP_K = 8, 2  # of --moe
+SEED_LIMIT = 2**31  # NVFP4Recipe.seed's range is [0, 2**31)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class TrainConfig:
     mode: str = "auto"            # "eager", "graph" (CUDA only) or "auto" (graph on CUDA)
     n_experts: int = 0            # > 0: MoE feed-forward layers of this many experts (--moe)
     top_k: int = 2                # experts per token
+    quant_stats_every: int = 0    # > 0: inspect.QuantStats of the NVFP4 operands every this many steps
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.d_model, self.n_layers, self.n_heads, self.d_ff, self.seq_len,
@@ -89,6 +91,8 @@ class TrainConfig:
         for name in ("batch_size", "steps", "eval_every", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.quant_stats_every < 0:
+            raise ValueError(f"--quant-stats-every must be >= 0 (0: off), got {self.quant_stats_every}")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not 0 < self.lr < math.inf:  # also rejects NaN, which fails every comparison
@@ -123,6 +127,7 @@ MODES = ("eager", "graph")
 
 BASELINE = "bf16"
 KEEP_HIGH_PRECISION = ("lm_head",)
+TAIL = 0.15  # the share of the last blocks nvfp4-tail keeps in high precision (torchtitan's advice)
 
 # name -> NVFP4Recipe fields changed from the default (None: the high-precision baseline).
 RECIPES: Dict[str, Optional[dict]] = {
@@ -133,6 +138,11 @@ RECIPES: Dict[str, Optional[dict]] = {
     "nvfp4-1d-weights": {"weight_2d": False},
     "nvfp4-per-token": {"scaling": "per_token"},
     "nvfp4-amax-est": {"amax_estimation": (2.0, 1.0)},
+    "nvfp4-4over6": {"four_over_six": "activations"},
+    "nvfp4-4over6-all": {"four_over_six": "all"},
+    "nvfp4-tail": {"keep_last_blocks": TAIL},
+    "nvfp4-bwd-hp": {"backward_override": "high_precision"},
+    "nvfp4-4over6-tail": {"four_over_six": "activations", "keep_last_blocks": TAIL},
 }
 
 DESCRIPTIONS = {
@@ -143,6 +153,14 @@ DESCRIPTIONS = {
     "nvfp4-1d-weights": "nvfp4 with 1x16 weight blocks (weight_2d=False)",
     "nvfp4-per-token": "nvfp4 with per-token outer scales (scaling='per_token')",
     "nvfp4-amax-est": "nvfp4 with the post-RHT amax estimated (amax_estimation=(2.0, 1.0))",
+    "nvfp4-4over6": "nvfp4 with 4/6 block scaling of the weights and activations "
+                    "(four_over_six='activations', MAE, E4M3 bound 256)",
+    "nvfp4-4over6-all": "nvfp4 with 4/6 on every operand, the SR gradients too (four_over_six='all')",
+    "nvfp4-tail": f"nvfp4 with the last {TAIL:.0%} of the transformer blocks (rounded up) in high "
+                  f"precision (keep_last_blocks={TAIL})",
+    "nvfp4-bwd-hp": "nvfp4 forward, dgrad and wgrad in bf16 from the unquantized X and W "
+                    "(backward_override='high_precision')",
+    "nvfp4-4over6-tail": "nvfp4-4over6 and nvfp4-tail together",
 }
 
 

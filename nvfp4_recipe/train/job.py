@@ -14,8 +14,8 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import asdict
-from typing import Optional, Sequence
+from dataclasses import asdict, replace
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -23,14 +23,14 @@ from ..backends import get_backend
 from ..frozen import load_frozen
 from ..serving import export, record_amaxes
 from . import data as D
-from .config import (DESCRIPTIONS, EXIT_INTERRUPTED, MOE_EXPERTS, MOE_TOP_K, PROG, ModelConfig,
-                     check_recipes)
+from .config import (DESCRIPTIONS, EXIT_INTERRUPTED, MOE_EXPERTS, MOE_TOP_K, PROG, SEED_LIMIT,
+                     ModelConfig, check_recipes)
 from .loop import evaluate, train_run
 from .model import TinyLM, count_params
 from .parallel import DataParallel
 from .presets import PRESETS, preset_config
 from .recipes import make_recipe
-from .report import format_table, plot_curves, write_json
+from .report import format_seed_table, format_table, plot_curves, plot_quant_stats, write_json
 
 
 class UsageError(Exception):
@@ -43,8 +43,11 @@ def _config_from_args(args):
                         d_ff=args.d_ff, seq_len=args.seq_len, steps=args.steps,
                         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                         eval_every=args.eval_every, eval_tokens=args.eval_tokens, seed=args.seed,
-                        backend=args.backend, mode=args.mode, **_moe_fields(args))
+                        backend=args.backend, mode=args.mode,
+                        quant_stats_every=args.quant_stats_every, **_moe_fields(args))
     cfg.validate()
+    if not (1 <= args.seeds and args.seed + args.seeds <= SEED_LIMIT):
+        raise ValueError(f"--seeds must be >= 1 with --seed + --seeds <= 2**31, got {args.seeds}")
     if args.max_mb is not None and not 0 <= args.max_mb < math.inf:
         raise ValueError(f"--max-mb must be a finite number >= 0, got {args.max_mb}")
     max_mb = PRESETS[args.preset][1]["max_mb"] if args.max_mb is None else (args.max_mb or None)
@@ -120,24 +123,25 @@ def _hardware(device) -> str:
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
-def _write_outputs(out: str, meta: dict, results, final: bool) -> Optional[str]:
-    """Write results.json (always) and, when ``final``, loss_curves.png; returns the plot's path, or
-    None when there is none (no finished run, or matplotlib missing: said on stderr)."""
+def _write_outputs(out: str, meta: dict, results, final: bool) -> List[str]:
+    """Write results.json (always) and, when ``final``, loss_curves.png and (with recorded
+    quantization statistics) quant_stats.png; returns the plots' paths (none without a finished
+    run, or with matplotlib missing: said on stderr)."""
     write_json(os.path.join(out, "results.json"), meta, results)
     if not (final and results):
-        return None
+        return []
     try:
         import matplotlib  # noqa: F401  (an optional dependency: the [plot] extra)
     except ImportError:
         print(f"{PROG}: no plot: matplotlib is not installed (pip install 'nvfp4-recipe[plot]')",
               file=sys.stderr)
-        return None
+        return []
     cfg = meta["config"]
     title = (f"{meta['params'] / 1e6:.1f}M-param byte-level LM, {cfg['steps']} steps x "
              f"{cfg['batch_size'] * cfg['seq_len']} tokens, {meta['hardware']}, {meta['precision']}")
-    path = os.path.join(out, "loss_curves.png")
-    plot_curves(path, results, title)
-    return path
+    paths = [os.path.join(out, "loss_curves.png"), os.path.join(out, "quant_stats.png")]
+    plot_curves(paths[0], results, title)
+    return paths if plot_quant_stats(paths[1], results, title) else paths[:1]
 
 
 def _check_out(out: str, overwrite: bool) -> None:
@@ -271,8 +275,8 @@ def train_command(args, argv: Sequence[str]) -> int:
         raise UsageError(str(e)) from None
     try:
         if parallel is not None and not parallel.is_main:  # trains beside rank 0, silently
-            for name in args.recipes:
-                train_run(name, cfg, batches, device, dtype, progress=False, parallel=parallel)
+            for name, run_cfg in _runs(args, cfg):
+                train_run(name, run_cfg, batches, device, dtype, progress=False, parallel=parallel)
             return 0
         return _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, precision,
                                  out, parallel)
@@ -281,13 +285,23 @@ def train_command(args, argv: Sequence[str]) -> int:
             parallel.close()
 
 
-def _exporter(directory: Optional[str], name: str, cfg, batches, device, dtype):
-    """train_run's on_trained for --export: the NVFP4 recipes' models go to DIR/<recipe>."""
+def _runs(args, cfg):
+    """(recipe, its TrainConfig) of every run, seed by seed: --seeds N trains each recipe with
+    seeds --seed, ..., --seed + N - 1."""
+    return [(name, replace(cfg, seed=cfg.seed + i)) for i in range(args.seeds) for name in args.recipes]
+
+
+def _run_label(name: str, cfg, seeds: int) -> str:
+    return name if seeds == 1 else f"{name}-seed{cfg.seed}"
+
+
+def _exporter(directory: Optional[str], name: str, label: str, cfg, batches, device, dtype):
+    """train_run's on_trained for --export: the NVFP4 recipes' models go to DIR/<label>."""
     if directory is None or make_recipe(name, cfg.seed, cfg.backend) is None:
         return None
 
     def write(model):
-        path = export_trained(model, cfg, batches, device, dtype, os.path.join(directory, name))
+        path = export_trained(model, cfg, batches, device, dtype, os.path.join(directory, label))
         print(f"{name}: exported the NVFP4 model to {path} (compressed-tensors)", flush=True)
     return write
 
@@ -297,25 +311,29 @@ def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, pr
     """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
     meta = _meta(args, argv, cfg, corpus, device, precision, 1 if parallel is None else parallel.world)
     _print_header(cfg, corpus, meta, args.recipes)
-    results, status = [], 0
+    results, status, runs = [], 0, _runs(args, cfg)
     try:
-        for name in args.recipes:
-            result = train_run(name, cfg, batches, device, dtype, progress=not args.no_progress,
-                               parallel=parallel, on_trained=_exporter(args.export, name, cfg,
-                                                                      batches, device, dtype))
+        for name, run_cfg in runs:
+            label = _run_label(name, run_cfg, args.seeds)
+            result = train_run(name, run_cfg, batches, device, dtype, progress=not args.no_progress,
+                               parallel=parallel, on_trained=_exporter(
+                                   args.export, name, label, run_cfg, batches, device, dtype))
             results.append(result)
-            print(f"{name}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} nats, "
-                  f"{result.wall_s:.0f} s, {result.mode} steps", flush=True)
+            print(f"{label}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} "
+                  f"nats, {result.wall_s:.0f} s, {result.mode} steps", flush=True)
             _write_outputs(out, dict(meta, wall_s=time.perf_counter() - start), results, final=False)
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED
-        meta["interrupted"] = f"during recipe {args.recipes[len(results)]!r}"
-        print(f"\ninterrupted during {args.recipes[len(results)]!r}; keeping the {len(results)} "
-              f"finished run(s)", file=sys.stderr)
+        current = _run_label(*runs[len(results)], args.seeds)
+        meta["interrupted"] = f"during run {current!r}"
+        print(f"\ninterrupted during {current!r}; keeping the {len(results)} finished run(s)",
+              file=sys.stderr)
     meta["wall_s"] = time.perf_counter() - start
-    plot = _write_outputs(out, meta, results, final=True)
+    plots = _write_outputs(out, meta, results, final=True)
     if results:
         print("\n" + format_table(results))
+        if args.seeds > 1:
+            print("\n" + format_seed_table(results))
     print(f"\ntotal wall time {meta['wall_s']:.0f} s; wrote {os.path.join(out, 'results.json')}"
-          + (f" and {plot}" if plot else ""))
+          + "".join(f" and {plot}" for plot in plots))
     return status

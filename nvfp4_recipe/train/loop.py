@@ -18,6 +18,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
+from ..inspect import QuantStats
+from ..layer import NVFP4Module
 from .config import TrainConfig
 from .data import Batches
 from .model import TinyLM, count_params
@@ -40,8 +42,10 @@ class RunResult:
     mode: str                       # the step mode, "eager" or "graph"
     peak_memory_bytes: Optional[int]  # CUDA peak allocated; None on CPU
     wall_s: float
+    seed: int = 0                   # TrainConfig.seed of the run (init, data order, SR streams)
     train_curve: List[float] = field(default_factory=list)             # loss of every step
     val_curve: List[List[float]] = field(default_factory=list)  # [step, val loss], from step 0
+    quant_stats: List[dict] = field(default_factory=list)  # inspect.QuantStats.history
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -190,6 +194,8 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         x, y = batches.train_batch(device)
         return (x, y) if parallel is None else (parallel.shard(x), parallel.shard(y))
 
+    quantized = any(isinstance(m, NVFP4Module) for m in evaluated.modules())
+    stats = QuantStats(evaluated, cfg.quant_stats_every) if cfg.quant_stats_every and quantized else None
     opt, set_lr = make_optimizer(model, cfg)
     x, y = next_batch()  # the step's input buffers, refilled before every step
     step_fn = step_function(model, opt, cfg, dtype, x, y)
@@ -219,8 +225,12 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
                     x.copy_(nx)
                     y.copy_(ny)
                 set_lr(step)
-                loss = run_step()
-                loss = loss if graph_loss is None else graph_loss  # the graph writes its loss in place
+                recorded = stats is not None and stats.due(step)
+                with stats.step(step) if recorded else nullcontext():
+                    # a recorded step runs eagerly (its hooks record the operands): the same bits
+                    loss = step_fn() if recorded else run_step()
+                if graph_loss is not None and not recorded:
+                    loss = graph_loss  # the graph writes its loss in place
                 losses.append(loss.clone() if parallel is None else parallel.mean(loss))
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
                     last = losses[-1].item()
@@ -254,4 +264,5 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         tokens_per_s=(timed_steps * cfg.batch_size * cfg.seq_len / elapsed if timed_steps > 0
                       else float("nan")), mode=mode,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        wall_s=time.perf_counter() - start, train_curve=curve, val_curve=val_curve)
+        wall_s=time.perf_counter() - start, seed=cfg.seed, train_curve=curve, val_curve=val_curve,
+        quant_stats=stats.history if stats is not None else [])

@@ -19,9 +19,19 @@ def relative_gap(val: float, baseline: Optional[float]) -> Optional[float]:
     return (val - baseline) / baseline
 
 
-def baseline_val(results: Sequence[RunResult]) -> Optional[float]:
-    """The validation loss of the baseline run, if it is among ``results``."""
-    return next((r.val_loss for r in results if r.recipe == BASELINE), None)
+def baseline_val(results: Sequence[RunResult], seed: int) -> Optional[float]:
+    """The validation loss of the baseline run of ``seed``, if it is among ``results``."""
+    return next((r.val_loss for r in results if r.recipe == BASELINE and r.seed == seed), None)
+
+
+def _gap(r: RunResult, results: Sequence[RunResult]) -> Optional[float]:
+    """``r``'s relative validation-loss gap to the baseline run of its seed."""
+    return relative_gap(r.val_loss, baseline_val(results, r.seed))
+
+
+def _label(r: RunResult, results: Sequence[RunResult]) -> str:
+    """The recipe's name, with the seed when the runs have several."""
+    return r.recipe if len({x.seed for x in results}) == 1 else f"{r.recipe} (seed {r.seed})"
 
 
 def _fmt_bytes(n: Optional[int]) -> str:
@@ -32,18 +42,44 @@ def _fmt_num(x: float, spec: str) -> str:
     return format(x, spec) if math.isfinite(x) else "nan"
 
 
+def _markdown(rows) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    rows = [rows[0], tuple("---" for _ in rows[0]), *rows[1:]]
+    return "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows)
+
+
 def format_table(results: Sequence[RunResult]) -> str:
-    """A Markdown table, one row per run (gap: relative validation-loss gap to the baseline)."""
-    base = baseline_val(results)
-    rows = [TABLE_HEADER, tuple("---" for _ in TABLE_HEADER)]
+    """A Markdown table, one row per run (gap: relative validation-loss gap to the baseline run of
+    the same seed)."""
+    rows = [TABLE_HEADER]
     for r in results:
-        gap = relative_gap(r.val_loss, base)
-        rows.append((r.recipe + ("" if r.status == "ok" else f" ({r.status})"), str(r.steps),
+        gap = _gap(r, results)
+        rows.append((_label(r, results) + ("" if r.status == "ok" else f" ({r.status})"), str(r.steps),
                      _fmt_num(r.train_loss, ".4f"), _fmt_num(r.val_loss, ".4f"),
                      "n/a" if gap is None or not math.isfinite(gap) else f"{gap * 100:+.2f}%",
                      _fmt_num(r.tokens_per_s, ",.0f"), _fmt_bytes(r.peak_memory_bytes)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
-    return "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows)
+    return _markdown(rows)
+
+
+def _mean_std(values: Sequence[float], scale: float, spec: str) -> str:
+    """"mean +- sample standard deviation" of the finite ``values`` (times ``scale``)."""
+    v = [x * scale for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return "n/a"
+    mean = sum(v) / len(v)
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else float("nan")
+    return f"{format(mean, spec)} +- {_fmt_num(std, spec.lstrip('+'))}"
+
+
+def format_seed_table(results: Sequence[RunResult]) -> str:
+    """A Markdown table, one row per recipe over its finished runs (one per seed): the mean and
+    sample standard deviation of the validation loss and of the gap to the same seed's baseline."""
+    rows = [("recipe", "runs", "val loss (nats)", f"gap to {BASELINE}")]
+    for recipe in dict.fromkeys(r.recipe for r in results):
+        runs = [r for r in results if r.recipe == recipe and r.status == "ok"]
+        rows.append((recipe, str(len(runs)), _mean_std([r.val_loss for r in runs], 1, ".4f"),
+                     _mean_std([_gap(r, results) for r in runs], 100, "+.2f") + " %"))
+    return _markdown(rows)
 
 
 def _finite(obj):
@@ -59,8 +95,7 @@ def _finite(obj):
 
 def write_json(path: str, meta: Dict, results: Sequence[RunResult]) -> None:
     """Write ``meta`` plus the runs (each with its gap to the baseline) as JSON; NaN becomes null."""
-    base = baseline_val(results)
-    runs = [dict(r.as_dict(), val_gap_to_baseline=relative_gap(r.val_loss, base)) for r in results]
+    runs = [dict(r.as_dict(), val_gap_to_baseline=_gap(r, results)) for r in results]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(_finite(dict(meta, runs=runs)), f, indent=1)
@@ -94,24 +129,25 @@ def plot_curves(path: str, results: Sequence[RunResult], title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_train, ax_val, ax_gap) = plt.subplots(1, 3, figsize=(16, 4.5))
-    base = {int(s): v for s, v in next((r.val_curve for r in results if r.recipe == BASELINE), [])}
+    bases = {r.seed: {int(s): v for s, v in r.val_curve} for r in results if r.recipe == BASELINE}
     smoothed = [_smooth(r.train_curve) for r in results]
     for r, train in zip(results, smoothed):
-        line, = ax_train.plot(range(1, len(train) + 1), train, label=r.recipe)
+        label, base = _label(r, results), bases.get(r.seed, {})
+        line, = ax_train.plot(range(1, len(train) + 1), train, label=label)
         if not r.val_curve:
             continue
         steps, vals = zip(*r.val_curve)
-        ax_val.plot(steps, vals, marker="o", color=line.get_color(), label=r.recipe)
+        ax_val.plot(steps, vals, marker="o", color=line.get_color(), label=label)
         gaps = [(s, 100 * (v - base[s]) / base[s]) for s, v in r.val_curve if s in base and s > 0]
         if gaps:
-            ax_gap.plot(*zip(*gaps), marker="o", color=line.get_color(), label=r.recipe)
+            ax_gap.plot(*zip(*gaps), marker="o", color=line.get_color(), label=label)
     ax_train.set_ylim(top=_zoom_top(smoothed, 0.1))
     ax_val.set_ylim(top=_zoom_top([[v for s, v in r.val_curve if s > 0] for r in results], 0.0))
     ax_train.set(xlabel="step", ylabel="nats/byte (EMA 0.05)", title="training loss")
     ax_val.set(xlabel="step", ylabel="nats/byte", title="validation loss, held-out files (step 0 off scale)")
     ax_gap.set(xlabel="step", ylabel="%", title=f"validation loss relative to {BASELINE}")
     ax_gap.axhline(0, color="gray", lw=0.8)
-    if not base:
+    if not bases:
         ax_gap.text(0.5, 0.5, f"no {BASELINE} run in --recipes", transform=ax_gap.transAxes,
                     ha="center", va="center")
     for ax in (ax_train, ax_val, ax_gap):
@@ -122,3 +158,60 @@ def plot_curves(path: str, results: Sequence[RunResult], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# the QuantStats statistics plot_quant_stats draws, one panel each (mapped_to_4 only under 4/6)
+STAT_PANELS = ("flushed_to_zero", "saturated", "relative_mse", "zero_scale_blocks",
+               "subnormal_scale_blocks", "mapped_to_4")
+
+
+def _operand_means(history: Sequence[dict], stat: str) -> Dict[str, List[tuple]]:
+    """{operand: [(step, mean over the layers of ``stat``)]} of a QuantStats history."""
+    out: Dict[str, List[tuple]] = {}
+    for entry in history:
+        per_operand: Dict[str, List[float]] = {}
+        for operands in entry["layers"].values():
+            for operand, stats in operands.items():
+                if stat in stats:
+                    per_operand.setdefault(operand, []).append(stats[stat])
+        for operand, values in per_operand.items():
+            out.setdefault(operand, []).append((entry["step"], sum(values) / len(values)))
+    return out
+
+
+_OPERAND_STYLES = {"w": "-", "x": "--", "xt": ":", "dy": "-.", "dyt": (0, (3, 1, 1, 1, 1, 1))}
+
+
+def plot_quant_stats(path: str, results: Sequence[RunResult], title: str) -> bool:
+    """PNG of the quantization statistics (``--quant-stats-every``) of each recipe's first seed
+    against the step: one panel per statistic, a color per recipe and a line style per operand
+    (the mean over the layers). Returns False (and writes nothing) when no run recorded any."""
+    first = min((r.seed for r in results), default=0)
+    recorded = [r for r in results if r.quant_stats and r.seed == first]
+    if not recorded:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    for ax, stat in zip(axes.flat, STAT_PANELS):
+        for i, r in enumerate(recorded):
+            for operand, points in _operand_means(r.quant_stats, stat).items():
+                ax.plot(*zip(*points), color=colors[i % len(colors)],
+                        linestyle=_OPERAND_STYLES.get(operand, "-"))
+        ax.set(xlabel="step", ylabel="MSE / mean square" if stat == "relative_mse" else "share",
+               title=stat.replace("_", " "))
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=colors[i % len(colors)], label=r.recipe)
+               for i, r in enumerate(recorded)]
+    handles += [Line2D([], [], color="gray", linestyle=style, label=operand)
+                for operand, style in _OPERAND_STYLES.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(f"{title}\nmean over the layers, seed {first}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
