@@ -23,7 +23,8 @@ _PUBLIC = {"NVFP4Recipe": "recipe", "NVFP4Tensor": "tensor", "NVFP4Linear": "lin
            "dequantize_": "api", "set_recipe": "api", "summary": "inspect", "tensor_stats": "inspect", "capture": "inspect",
            "QuantStats": "inspect",
            "cached_weights": "layer", "export": "serving", "record_amaxes": "serving",
-           "NVFP4FrozenLinear": "frozen", "load_frozen": "frozen", "lora_config": "frozen"}
+           "NVFP4FrozenLinear": "frozen", "load_frozen": "frozen", "lora_config": "frozen",
+           "enable_fp4_all_gather": "fsdp", "all_gather_bytes": "fsdp"}
 
 __all__ = list(_PUBLIC)
 

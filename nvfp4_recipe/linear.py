@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import high_precision
+from . import reference as R
 from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, local, next_sr_key, out_dtype, sr_key, training
@@ -35,6 +36,19 @@ def _amax_reduce(shard: Optional[TensorParallelShard], recipe: NVFP4Recipe, role
     return None if shard is None else shard.amax_reduce(role, recipe.spec(role))
 
 
+def weight_operands(be: Backend, weight: torch.Tensor, recipe: NVFP4Recipe, need_wt: bool,
+                    amax_reduce=None) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+    """fprop's W (N, K) and, with ``need_wt``, dgrad's W^T (K, N) (codes): ``be.prepare_weight``
+    of a high-precision ``weight``; a weight that is an :class:`NVFP4Tensor` already (FSDP2's fp4
+    all-gather, ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose
+    (``reference.transpose_2d``: codes and scales moved)."""
+    if isinstance(weight, NVFP4Tensor):
+        w = weight.operand
+        return be.prepare(w), R.transpose_2d(w) if need_wt else None
+    return be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
+                             amax_reduce=amax_reduce)
+
+
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
                  need_xt: bool, shard: Optional[TensorParallelShard] = None,
@@ -45,7 +59,8 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
     quantized as usual).
 
     Args:
-        x: (M, K) activations; weight: W (N, K); bias: None or (N,).
+        x: (M, K) activations; weight: W (N, K), or W quantized already (an NVFP4Tensor:
+            :func:`weight_operands`); bias: None or (N,).
         signs: (16,) RHT signs of the wgrad copy X^T.
         need_wt, need_xt: also quantize W^T (K, N) for dgrad and X^T (K, M) for wgrad.
         shard: None, or the tensor-parallel layout of these local shards
@@ -68,8 +83,7 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
         return high_precision.fprop(x.to(out_dtype), weight, bias), wt, xt, None
     wt = None
     if w is None:
-        w, wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                                  amax_reduce=reduce(GemmRole.W_FPROP))
+        w, wt = weight_operands(be, weight, recipe, need_wt, reduce(GemmRole.W_FPROP))
     xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP), col, signs=signs,
                                  transient=(not keep, False),
                                  amax_reduce=(reduce(GemmRole.X_FPROP), reduce(GemmRole.X_WGRAD)))
@@ -297,8 +311,8 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             else:
                 # keyed by the Parameter, whose version counter a transposed view shares
                 w = None if shard is not None else self.cached_operand(
-                    "weight", self.weight, backend, lambda: resolved(backend).prepare_weight(
-                        weight, self.recipe.spec(GemmRole.W_FPROP), need_t=False)[0])
+                    "weight", self.weight, backend, lambda: weight_operands(
+                        resolved(backend), weight, self.recipe, False)[0])
                 y = linear_fprop(resolved(backend), x2, weight, bias, self.recipe, signs,
                                  y_dtype, False, False, shard, w)[0]
             if self.captured is not None and x2.shape[0] and shard is None:
