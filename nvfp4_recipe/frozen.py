@@ -137,6 +137,17 @@ class NVFP4FrozenLinear(NVFP4Module):
         self.register_buffer("bias", bias)
         self._init_nvfp4(recipe, layer_seed, qdata.device)
 
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) casts every floating-point buffer: the E4M3 block scales and the fp32
+        # outer scale would lose their values. They move with the module, in their own dtypes.
+        before = {name: getattr(self, name) for name in ("qdata", "scale", "outer_scale")}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
     @property
     def operand(self) -> NVFP4Operand:
         """The weight as an fprop operand (N, K), blocks along K."""

@@ -124,3 +124,19 @@ def test_load_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="gemm must be one of"):
         NVFP4FrozenLinear(torch.zeros(16, 8, dtype=torch.uint8),
                           torch.zeros(16, 1, dtype=torch.float8_e4m3fn), torch.ones(()), gemm="fp8")
+
+
+def test_casting_the_model_keeps_the_quantized_weight():
+    """``model.to(torch.bfloat16)`` (as PEFT users do) casts floating-point buffers: the E4M3
+    scales and the fp32 outer scale keep their dtypes and bits, and the layer its output."""
+    g = torch.Generator().manual_seed(3)
+    op = R.quantize(torch.randn(48, 64, generator=g), N.QuantSpec())  # a checkpoint's 1x16 scales
+    layer = NVFP4FrozenLinear(op.qdata, op.scale, op.outer_scale, recipe=N.NVFP4Recipe(backend="reference"))
+    x = torch.randn(16, 64, generator=g).bfloat16()
+    with torch.no_grad():
+        before = layer(x)
+        layer.to(torch.bfloat16)
+        assert (layer.qdata.dtype, layer.scale.dtype, layer.outer_scale.dtype) == (
+            torch.uint8, torch.float8_e4m3fn, torch.float32)
+        assert torch.equal(layer.scale.view(torch.uint8), op.scale.view(torch.uint8))
+        assert torch.equal(layer.outer_scale, op.outer_scale) and torch.equal(layer(x), before)

@@ -37,7 +37,7 @@ def _mlp(dims, recipe, device):
         for layer in (model[0], model[2]):
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
         model[0].weight[dims[1] // 2:] *= 3
-    return nr.quantize_(model, nr.NVFP4Recipe(**recipe)).to(device)
+    return nr.quantize_(model.to(device), nr.NVFP4Recipe(**recipe))
 
 
 def _sharded(model, mesh, fp4):
