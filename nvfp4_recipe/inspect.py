@@ -3,7 +3,7 @@ quantized operands a training step actually used."""
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from .recipe import NVFP4Recipe
 from .spec import Block, GemmRole, QuantSpec
 from .tensor import NVFP4Tensor
 
-__all__ = ["summary", "tensor_stats", "capture", "QuantStats", "operand_counts"]
+__all__ = ["summary", "tensor_stats", "capture", "QuantStats", "operand_counts", "COUNTS"]
 
 E2M1_MAX_CODE = len(E2M1_GRID) - 1  # the magnitude code of 6
 # A block scale rounded to E4M3 (3 mantissa bits) may sit up to 2**-4 below block_amax / 6, which
@@ -197,8 +197,9 @@ def _item(t: torch.Tensor):
 
 # The smallest normal E4M3 number: nonzero block scales below it are subnormal (fewer bits).
 _E4M3_MIN_NORMAL = 2.0 ** -6
-_COUNTS = ("elements", "nonzero", "flushed", "saturated", "err", "signal", "blocks", "zero_blocks",
-           "subnormal_blocks", "blocks_to_4")
+# The counts operand_counts returns, in order.
+COUNTS = ("elements", "blocks", "nonzero", "flushed", "saturated", "err", "signal", "zero_blocks",
+          "subnormal_blocks", "blocks_to_4")
 
 
 def _first_rows(op: NVFP4Operand, rows: int) -> NVFP4Operand:
@@ -209,25 +210,26 @@ def _first_rows(op: NVFP4Operand, rows: int) -> NVFP4Operand:
 
 
 def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec,
-                   max_rows: int = 4096) -> Dict[str, float]:
+                   max_rows: int = 4096) -> torch.Tensor:
     """The counts behind :class:`QuantStats`' statistics of one operand, over its first
-    ``max_rows`` rows (all of the operand's quantization: its amax is the whole tensor's).
+    ``max_rows`` rows (all of the operand's quantization: its amax is the whole tensor's), left on
+    the operand's device (no host sync).
 
     Args:
         hp: (rows, K) the high-precision operand as its GEMM takes it (before the RHT).
         q: its quantization (rows, K), as ``inspect.capture`` records it; spec: its QuantSpec.
         max_rows: a positive multiple of 16.
     Returns:
-        float counts: ``elements``, ``nonzero`` (nonzero inputs, in the RHT domain where the RHT is
-        on), ``flushed`` (nonzero inputs that dequantize to 0), ``saturated`` (as in
-        :func:`tensor_stats`), ``err`` and ``signal`` (sums of the squared error and of the
-        squared input, float64), ``blocks``, ``zero_blocks`` and ``subnormal_blocks`` (E4M3 block
-        scales that are 0, or below 2**-6), ``blocks_to_4`` (nonzero blocks whose largest code is 4
-        rather than 6: mapped to 4 by 4/6; exact under RN).
+        float64 (len(COUNTS),), in the order of :data:`COUNTS`: ``elements``, ``blocks``,
+        ``nonzero`` (nonzero inputs, in the RHT domain where the RHT is on), ``flushed`` (nonzero
+        inputs that dequantize to 0), ``saturated`` (as in :func:`tensor_stats`), ``err`` and
+        ``signal`` (sums of the squared error and of the squared input), ``zero_blocks`` and
+        ``subnormal_blocks`` (E4M3 block scales that are 0, or below 2**-6), ``blocks_to_4``
+        (nonzero blocks whose largest code is 4 rather than 6: mapped to 4 by 4/6; exact under RN).
     """
     rows = min(max_rows, hp.shape[0])
     if rows == 0 or hp.shape[1] == 0:  # an empty token group of an experts module
-        return dict.fromkeys(_COUNTS, 0.0)
+        return torch.zeros(len(COUNTS), dtype=torch.float64, device=hp.device)
     op = _first_rows(q.operand, rows)
     ref = hp[:rows]
     ref = (R.rht(ref, q.rht_signs) if q.rht_signs is not None else ref).double()
@@ -239,20 +241,19 @@ def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec,
     if op.block is Block.D2:
         top = top.reshape(rows // BLOCK, BLOCK, -1).amax(1)
     scale = op.scale.float()
-    return {
-        "elements": float(ref.numel()), "nonzero": nonzero.sum().item(),
-        "flushed": ((deq == 0) & nonzero).sum().item(),
-        "saturated": (at_max & (ref.abs() > deq.abs() * (1 + _SATURATION_MARGIN))).sum().item(),
-        "err": (ref - deq).square().sum().item(), "signal": ref.square().sum().item(),
-        "blocks": float(scale.numel()), "zero_blocks": (scale == 0).sum().item(),
-        "subnormal_blocks": ((scale > 0) & (scale < _E4M3_MIN_NORMAL)).sum().item(),
-        "blocks_to_4": ((top < E2M1_MAX_CODE) & (scale > 0)).sum().item(),
-    }
+    sums = torch.stack([
+        nonzero.sum(), ((deq == 0) & nonzero).sum(),
+        (at_max & (ref.abs() > deq.abs() * (1 + _SATURATION_MARGIN))).sum(),
+        (ref - deq).square().sum(), ref.square().sum(), (scale == 0).sum(),
+        ((scale > 0) & (scale < _E4M3_MIN_NORMAL)).sum(),
+        ((top < E2M1_MAX_CODE) & (scale > 0)).sum()]).double()
+    sizes = torch.tensor([ref.numel(), scale.numel()], dtype=torch.float64, device=sums.device)
+    return torch.cat([sizes, sums])
 
 
-def _statistics(counts: Dict[str, float], four_over_six: bool) -> Dict[str, float]:
-    """Shares and errors from summed :func:`operand_counts`."""
-    c = counts
+def _statistics(counts: torch.Tensor, four_over_six: bool) -> Dict[str, float]:
+    """Shares and errors from (summed) :func:`operand_counts`."""
+    c = dict(zip(COUNTS, counts.tolist()))
     stats = {"flushed_to_zero": c["flushed"] / max(c["nonzero"], 1),
              "saturated": c["saturated"] / max(c["elements"], 1),
              "relative_mse": c["err"] / c["signal"] if c["signal"] else 0.0,
@@ -320,16 +321,20 @@ class QuantStats:
 
 def _layer_statistics(stores: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
     """``{layer: {operand: statistics}}`` from the recorded ``(counts, four_over_six)``; an
-    experts module's projections become layers ``fqn.projection``, their lists summed."""
-    out = {}
+    experts module's projections become layers ``fqn.projection``, their lists summed. The counts
+    come to the host in one transfer."""
+    entries = []  # (layer, operand, [counts], four_over_six)
     for fqn, store in stores.items():
         for name, value in store.items():
             if isinstance(value, dict):  # an experts projection: {operand: [(counts, 4/6), ...]}
-                out[f"{fqn}.{name}"] = {op: _statistics(*_summed(v)) for op, v in value.items()}
+                entries += [(f"{fqn}.{name}", op, [c for c, _ in pairs], pairs[0][1])
+                            for op, pairs in value.items()]
             else:
-                out.setdefault(fqn, {})[name] = _statistics(*value)
+                entries.append((fqn, name, [value[0]], value[1]))
+    if not entries:
+        return {}
+    summed = torch.stack([torch.stack(counts).sum(0) for _, _, counts, _ in entries]).cpu()
+    out: Dict[str, Dict[str, object]] = {}
+    for (layer, operand, _, fos), counts in zip(entries, summed):
+        out.setdefault(layer, {})[operand] = _statistics(counts, fos)
     return out
-
-
-def _summed(pairs) -> Tuple[Dict[str, float], bool]:
-    return {k: sum(c[k] for c, _ in pairs) for k in _COUNTS}, pairs[0][1]

@@ -11,7 +11,7 @@ from torch import nn
 
 import nvfp4_recipe as nr
 from nvfp4_recipe import reference as R
-from nvfp4_recipe.inspect import _statistics, operand_counts
+from nvfp4_recipe.inspect import COUNTS, _statistics, operand_counts
 from nvfp4_recipe.spec import Block, FourOverSix, QuantSpec, Rounding
 from nvfp4_cases import rand
 from test_moe import tiny_qwen3_moe
@@ -47,7 +47,7 @@ def test_counts_agree_with_tensor_stats(spec):
 def test_max_rows_reads_the_first_rows_of_the_whole_tensors_quantization():
     x = rand((96, 64), seed=4)
     spec = QuantSpec()
-    head = operand_counts(x, _q(x, spec), spec, max_rows=32)
+    head = dict(zip(COUNTS, operand_counts(x, _q(x, spec), spec, max_rows=32).tolist()))
     whole = R.dequantize(_q(x, spec).operand)[:32]
     assert head["elements"] == 32 * 64
     assert head["flushed"] == ((whole == 0) & (x[:32] != 0)).sum().item()
