@@ -6,7 +6,6 @@ not import torch, so that ``--help`` and ``--version`` answer at once.
 """
 
 import argparse
-import importlib.metadata
 import sys
 from typing import Optional, Sequence
 
@@ -14,6 +13,7 @@ from .spec import BackendName, enum_values
 from .train.config import (DESCRIPTIONS, EXIT_INTERRUPTED, EXIT_USAGE, MOE_EXPERTS, MOE_TOP_K, PROG,
                            RECIPES, SEED_LIMIT)
 from .train.presets import PRESETS
+from .version import package_version
 
 DEFAULT_RECIPES = ("bf16", "nvfp4")
 
@@ -29,13 +29,6 @@ def _preset_help() -> str:
                      f"d_ff={cfg.d_ff} seq_len={cfg.seq_len} batch_size={cfg.batch_size} "
                      f"steps={cfg.steps} lr={cfg.lr} max_mb={data['max_mb']}")
     return "\n".join(lines)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("nvfp4-recipe")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "unknown (not installed)"
 
 
 def _seed(text: str) -> int:
@@ -57,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nvfp4-recipe`` (subcommand ``train``)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="NVFP4 training for PyTorch: the main job and tools.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "train", formatter_class=argparse.RawDescriptionHelpFormatter,

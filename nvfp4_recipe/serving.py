@@ -30,13 +30,13 @@ import torch
 from torch import nn
 
 from . import reference as R
-from .cli import _version as package_version
 from .conv1d import NVFP4Conv1D
 from .formats import BLOCK
 from .layer import NVFP4Module
 from .linear import NVFP4Linear
 from .operand import NVFP4Operand
 from .spec import Block, Scaling
+from .version import package_version
 
 __all__ = ["export", "record_amaxes", "FORMATS", "fprop_weight_1x16"]
 
