@@ -119,7 +119,8 @@ class NVFP4FrozenLinear(NVFP4Module):
     input's dtype (autocast's), nothing quantized.
 
     Raises:
-        ValueError: shapes that disagree or are not multiples of 16; an unknown ``gemm``.
+        ValueError: shapes that disagree or are not multiples of 16; an unknown ``gemm``; a
+            recipe with ``forward_override`` or ``backward_override``.
         TypeError: ``qdata`` not uint8 or ``scale`` not float8_e4m3fn.
     """
 
@@ -128,6 +129,7 @@ class NVFP4FrozenLinear(NVFP4Module):
                  dtype: torch.dtype = torch.bfloat16, gemm: str = "nvfp4", layer_seed: int = 0):
         super().__init__()
         _check_weight(qdata, scale, gemm)
+        _check_recipe(recipe)
         w = weight_operand(qdata, scale, outer_scale.float())
         self.out_features, self.in_features = qdata.shape[0], 2 * qdata.shape[1]
         self.dtype, self.gemm, self.block = dtype, gemm, w.block
@@ -180,6 +182,14 @@ class NVFP4FrozenLinear(NVFP4Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.block.value} scales, gemm={self.gemm}, "
                 f"{self.recipe_repr()}")
+
+
+def _check_recipe(recipe: Optional[NVFP4Recipe]) -> None:
+    """A frozen base has no high-precision weight: the overrides that need one are refused."""
+    if recipe is not None and (recipe.forward_override or recipe.backward_override):
+        raise ValueError("NVFP4FrozenLinear keeps no high-precision weight, so it takes no "
+                         "forward_override or backward_override; gemm='bf16' multiplies by the "
+                         "dequantized weight instead")
 
 
 def _check_weight(qdata: torch.Tensor, scale: torch.Tensor, gemm: str) -> None:

@@ -140,3 +140,10 @@ def test_casting_the_model_keeps_the_quantized_weight():
             torch.uint8, torch.float8_e4m3fn, torch.float32)
         assert torch.equal(layer.scale.view(torch.uint8), op.scale.view(torch.uint8))
         assert torch.equal(layer.outer_scale, op.outer_scale) and torch.equal(layer(x), before)
+
+
+def test_overrides_that_need_the_high_precision_weight_are_refused():
+    op = R.quantize(torch.randn(48, 64), N.QuantSpec())
+    for fields in (dict(forward_override="high_precision"), dict(backward_override="dequantized")):
+        with pytest.raises(ValueError, match="keeps no high-precision weight"):
+            NVFP4FrozenLinear(op.qdata, op.scale, op.outer_scale, recipe=N.NVFP4Recipe(**fields))
