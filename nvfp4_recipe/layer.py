@@ -209,6 +209,11 @@ class NVFP4Module(nn.Module):
                  "2d-weights" if r.weight_2d else "1d-weights", r.scaling.value]
         if r.amax_estimation:
             parts.append(f"amax-est{r.amax_estimation}")
+        if r.four_over_six:
+            parts.append(f"4/6-{r.four_over_six.value}({r.four_over_six_error.value}, "
+                         f"{r.four_over_six_e4m3_max}{', fast-math' if r.four_over_six_fast_math else ''})")
+        parts += [f"{direction}-{o.value}" for direction, o in (
+            ("fwd", r.forward_override), ("bwd", r.backward_override)) if o is not None]
         return f"recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
 
     def cached_operand(self, name: str, weight: torch.Tensor, backend: str,

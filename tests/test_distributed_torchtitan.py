@@ -85,3 +85,23 @@ def test_converts_llama3_debug_model_as_quantize_does_and_trains():
     assert abs(loss - hp_loss) < 0.02 * hp_loss
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert int(got["layers.0.feed_forward.w1"].sr_step) == 1
+
+
+def test_tails_and_the_fields_recipes_through_torchtitans_options():
+    """``--nvfp4.keep_last_blocks 1 --nvfp4.four_over_six activations --nvfp4.backward_override
+    high_precision`` as torchtitan parses them: the last of the ``layers`` ModuleDict stays in high
+    precision and the others train under the recipe."""
+    model = _debug_model()
+    job = _job("--nvfp4.keep_last_blocks", "1", "--nvfp4.four_over_six", "activations",
+               "--nvfp4.backward_override", "high_precision")
+    _converters(job).convert(model)
+    _materialize(model)
+    kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert all(t is torch.nn.Linear for n, t in kinds.items() if n.startswith("layers.5."))
+    quantized = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    assert len(quantized) == 5 * 7 + 1  # and the output projection
+    assert quantized[0].recipe == nr.NVFP4Recipe(keep_last_blocks=1, four_over_six="activations",
+                                                 backward_override="high_precision")
+    assert "4/6-activations(mae, 256), bwd-high_precision" in repr(quantized[0])
+    tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(_step(model, tokens))
