@@ -138,3 +138,43 @@ def test_hugging_face_gpt2_conv1d_trains_generates_and_round_trips(tmp_path):
     trained = dict(model.named_parameters())
     for name, p in plain.named_parameters():
         assert torch.equal(p, trained[name]), name
+
+
+class _NVFP4Callback(transformers.TrainerCallback):
+    """What docs/integration.md shows: QuantStats around each training step, and a BF16 forward
+    (set_recipe) for the last tenth of the steps."""
+
+    def __init__(self, model, every):
+        self.stats, self.model, self.open = nr.QuantStats(model, every=every), model, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == int(0.9 * state.max_steps):
+            nr.set_recipe(self.model, forward_override="high_precision")
+        self.open = self.stats.step(state.global_step)
+        self.open.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.open.__exit__(None, None, None)
+
+
+def test_hugging_face_trainer_trains_with_statistics_and_a_late_bf16_forward(tmp_path):
+    """transformers.Trainer runs an NVFP4 Llama unchanged; a callback records QuantStats and
+    switches fprop to high precision for the last tenth of the steps; the SR streams advance once
+    per step throughout and the model saves."""
+    model = nr.quantize_(_tiny_llama(), nr.NVFP4Recipe(keep_bf16=("lm_head",)))
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 256, (40, 16), generator=g)]
+    callback = _NVFP4Callback(model, every=5)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=2, learning_rate=1e-2,
+        logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    result = trainer.train()
+    assert result.global_step == 20 and torch.isfinite(torch.tensor(result.training_loss))
+    assert [h["step"] for h in callback.stats.history] == [0, 5, 10, 15]
+    assert set(callback.stats.history[0]["layers"]["model.layers.0.mlp.up_proj"]) == {
+        "w", "x", "xt", "dy", "dyt"}
+    up = model.model.layers[0].mlp.up_proj
+    assert up.recipe.forward_override == "high_precision" and int(up.sr_step) == 20
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "model.safetensors").exists()
