@@ -366,8 +366,9 @@ def set_recipe(model: nn.Module, **changes) -> nn.Module:
         TypeError: ``model`` is not an nn.Module, or a change names no NVFP4Recipe field.
         ValueError: the model has no NVFP4 module; a change to a field fixed at ``quantize_``
             (layer selection, ``seed``, ``rht_signs``: ``dequantize_`` and ``quantize_`` again,
-            which restarts the SR streams); an invalid value (as NVFP4Recipe). No module is
-            changed then.
+            which restarts the SR streams); an invalid value (as NVFP4Recipe); a recipe a module
+            cannot run (``NVFP4Module.check_recipe``: a frozen NVFP4 base and the overrides). No
+            module is changed then.
     """
     check_module("set_recipe", model)
     names = {f.name for f in dataclasses.fields(NVFP4Recipe)}
@@ -381,6 +382,8 @@ def set_recipe(model: nn.Module, **changes) -> nn.Module:
     if not layers:
         raise ValueError("set_recipe: the model has no NVFP4 module; call quantize_ first")
     recipes = [dataclasses.replace(m.recipe, **changes) for m in layers]
+    for layer, recipe in zip(layers, recipes):
+        layer.check_recipe(recipe)
     for layer, recipe in zip(layers, recipes):
         layer.recipe = recipe
         layer._weight_cache = {}

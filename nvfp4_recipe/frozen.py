@@ -27,7 +27,7 @@ from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, training
 from .linear import linear_fprop, linear_grads
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
-from .spec import Block, GemmRole, QuantSpec
+from .spec import Block, QuantSpec
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4FrozenLinear", "load_frozen", "read_checkpoint", "lora_config", "GEMMS"]
@@ -129,7 +129,8 @@ class NVFP4FrozenLinear(NVFP4Module):
                  dtype: torch.dtype = torch.bfloat16, gemm: str = "nvfp4", layer_seed: int = 0):
         super().__init__()
         _check_weight(qdata, scale, gemm)
-        _check_recipe(recipe)
+        if recipe is not None:
+            self.check_recipe(recipe)
         w = weight_operand(qdata, scale, outer_scale.float())
         self.out_features, self.in_features = qdata.shape[0], 2 * qdata.shape[1]
         self.dtype, self.gemm, self.block = dtype, gemm, w.block
@@ -138,6 +139,13 @@ class NVFP4FrozenLinear(NVFP4Module):
         self.register_buffer("outer_scale", w.outer_scale)
         self.register_buffer("bias", bias)
         self._init_nvfp4(recipe, layer_seed, qdata.device)
+
+    def check_recipe(self, recipe: NVFP4Recipe) -> None:
+        """A frozen base has no high-precision weight: the overrides that need one are refused."""
+        if recipe.forward_override or recipe.backward_override:
+            raise ValueError("NVFP4FrozenLinear keeps no high-precision weight, so it takes no "
+                             "forward_override or backward_override; gemm='bf16' multiplies by the "
+                             "dequantized weight instead")
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) casts every floating-point buffer: the E4M3 block scales and the fp32
@@ -182,14 +190,6 @@ class NVFP4FrozenLinear(NVFP4Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.block.value} scales, gemm={self.gemm}, "
                 f"{self.recipe_repr()}")
-
-
-def _check_recipe(recipe: Optional[NVFP4Recipe]) -> None:
-    """A frozen base has no high-precision weight: the overrides that need one are refused."""
-    if recipe is not None and (recipe.forward_override or recipe.backward_override):
-        raise ValueError("NVFP4FrozenLinear keeps no high-precision weight, so it takes no "
-                         "forward_override or backward_override; gemm='bf16' multiplies by the "
-                         "dequantized weight instead")
 
 
 def _check_weight(qdata: torch.Tensor, scale: torch.Tensor, gemm: str) -> None:

@@ -202,6 +202,10 @@ class NVFP4Module(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
+    def check_recipe(self, recipe: NVFP4Recipe) -> None:
+        """Raises ValueError when this module cannot run ``recipe`` (``set_recipe`` asks every
+        module before it changes any); every recipe by default."""
+
     def recipe_repr(self) -> str:
         """The recipe as module reprs and ``summary`` show it: ``recipe=nvfp4(...), backend=...``."""
         r = self.recipe

@@ -147,3 +147,12 @@ def test_overrides_that_need_the_high_precision_weight_are_refused():
     for fields in (dict(forward_override="high_precision"), dict(backward_override="dequantized")):
         with pytest.raises(ValueError, match="keeps no high-precision weight"):
             NVFP4FrozenLinear(op.qdata, op.scale, op.outer_scale, recipe=N.NVFP4Recipe(**fields))
+
+
+def test_set_recipe_asks_the_frozen_base_first():
+    op = R.quantize(torch.randn(48, 64), N.QuantSpec())
+    model = nn.Sequential(NVFP4FrozenLinear(op.qdata, op.scale, op.outer_scale,
+                                            recipe=N.NVFP4Recipe(backend="reference")))
+    with pytest.raises(ValueError, match="keeps no high-precision weight"):
+        N.set_recipe(model, backward_override="high_precision")
+    assert model[0].recipe.backward_override is None
