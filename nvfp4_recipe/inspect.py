@@ -76,7 +76,9 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
     backward, ``"dy"`` (dY as dgrad's A, SR) and ``"dyt"`` (dY^T as wgrad's A). Each is quantized
     again from the step's tensors with the step's specs, RHT signs and SR stream, so it holds the
     bits the GEMMs used (it costs those quantizations again; eager mode only, not under
-    torch.compile). Outside the context the layers record nothing.
+    torch.compile). Outside the context the layers record nothing. Only the operands of GEMMs
+    that run in NVFP4 are recorded: a recipe's ``forward_override`` leaves out "w" and "x", its
+    ``backward_override`` "xt", "dy" and "dyt" (``layer.nvfp4_operands``).
 
     An experts module records ``{projection: {name: [NVFP4Tensor, ...]}}`` with the same names:
     one tensor per expert for ``"w"`` (W_g, (N, K)), one per token group for the others (the

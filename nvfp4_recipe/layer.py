@@ -120,6 +120,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def nvfp4_operands(recipe: NVFP4Recipe) -> Tuple[str, ...]:
+    """The operands a layer's GEMMs take in NVFP4 under ``recipe``, by the names ``inspect``
+    records them under: "w", "x" (fprop), "xt" (wgrad), "dy", "dyt" (dgrad, wgrad), without those
+    of the GEMMs ``forward_override`` / ``backward_override`` take out of NVFP4."""
+    fprop = () if recipe.forward_override else ("w", "x")
+    return fprop + (() if recipe.backward_override else ("xt", "dy", "dyt"))
+
+
 class Recording:
     """Where a module records the operands of its GEMMs while ``inspect`` asks it to.
 

@@ -21,7 +21,8 @@ from . import high_precision
 from . import reference as R
 from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
-from .layer import NVFP4Module, backend_name, local, next_sr_key, out_dtype, sr_key, training
+from .layer import (NVFP4Module, backend_name, local, next_sr_key, nvfp4_operands, out_dtype, sr_key,
+                    training)
 from .operand import NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole, Override
@@ -332,11 +333,12 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
 
     def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
-        """Record the operands of this step's GEMMs in ``self.captured`` (a :class:`Recording`):
-        X, W and X^T now, dY and dY^T when the gradient of ``y`` arrives. They are quantized again
-        with the step's specs, signs and SR stream, so they are the bits the GEMMs used."""
+        """Record the NVFP4 operands of this step's GEMMs (:func:`layer.nvfp4_operands`) in
+        ``self.captured`` (a :class:`Recording`): X, W and X^T now, dY and dY^T when the gradient
+        of ``y`` arrives. They are quantized again with the step's specs, signs and SR stream, so
+        they are the bits the GEMMs used."""
         be, rec = get_backend(backend, x2.device), self.captured
-        signs, r = self.rht_signs, self.recipe
+        signs, r, names = self.rht_signs, self.recipe, nvfp4_operands(self.recipe)
         x2 = x2.detach()
 
         def keep(t, role, **kw):
@@ -346,11 +348,12 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             return rec.keep(t, q, spec)
 
         with torch.no_grad():
-            rec.store.update(w=keep(self.fprop_weight().detach(), GemmRole.W_FPROP),
-                             x=keep(x2, GemmRole.X_FPROP))
-            if x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
+            if "w" in names:
+                rec.store.update(w=keep(self.fprop_weight().detach(), GemmRole.W_FPROP),
+                                 x=keep(x2, GemmRole.X_FPROP))
+            if "xt" in names and x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
                 rec.store.update(xt=keep(x2.t(), GemmRole.X_WGRAD))
-        if y.requires_grad:
+        if y.requires_grad and "dy" in names:
             seed = sr_key(*self.sr_state())  # before backward advances it
 
             def record_dy(dy):

@@ -32,7 +32,8 @@ from . import high_precision
 from .backends import Backend, resolved
 from .backends.grouped import check_offsets, expert_rows, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
-from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, sr_key, training
+from .layer import (NVFP4Module, backend_name, next_sr_key, nvfp4_operands, out_dtype, sr_key,
+                    training)
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole, Override
@@ -270,7 +271,7 @@ class NVFP4Experts(NVFP4Module):
         of ``y`` arrives), quantized again with the step's specs, signs and SR stream, so they
         hold the bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
         be, r, signs, rec = resolved(backend), self.recipe, self.rht_signs, self.captured
-        bounds = group_bounds(offs)
+        names, bounds = nvfp4_operands(r), group_bounds(offs)
         record = rec.store.setdefault(self.STREAMS[p], {})
 
         def groups(op, role, hp, transpose=False):
@@ -282,14 +283,20 @@ class NVFP4Experts(NVFP4Module):
 
         with torch.no_grad():
             spec, w, x = r.spec(GemmRole.W_FPROP), w.detach(), x.detach()
-            wq = be.quantize_experts(w, spec, need_t=False)[0]
-            record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
-                expert_slice(wq, g), spec, w.dtype, backend=backend), spec) for g in range(w.shape[0])]
-            xq, xt, _ = be.quantize_groups(x, offs, r.spec(GemmRole.X_FPROP),
-                                           r.spec(GemmRole.X_WGRAD), signs=signs)
-            record.update(x=groups(xq, GemmRole.X_FPROP, x),
-                          xt=groups(xt, GemmRole.X_WGRAD, x, transpose=True))
-        if y.requires_grad:
+            if "w" in names:
+                wq = be.quantize_experts(w, spec, need_t=False)[0]
+                record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
+                    expert_slice(wq, g), spec, w.dtype, backend=backend), spec)
+                    for g in range(w.shape[0])]
+            row = r.spec(GemmRole.X_FPROP) if "x" in names else None
+            col = r.spec(GemmRole.X_WGRAD) if "xt" in names else None
+            if row or col:
+                xq, xt, _ = be.quantize_groups(x, offs, row, col, signs=signs)
+                if row:
+                    record["x"] = groups(xq, GemmRole.X_FPROP, x)
+                if col:
+                    record["xt"] = groups(xt, GemmRole.X_WGRAD, x, transpose=True)
+        if y.requires_grad and "dy" in names:
             seed = sr_key(*self.sr_state(p))  # before backward advances it
 
             def record_dy(dy):

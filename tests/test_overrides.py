@@ -166,3 +166,22 @@ def test_grouped_high_precision_gemms_in_bf16_use_grouped_mm_and_agree_with_per_
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     assert not HP.fprop(bf(x), bf(w), None, offs)[64:].any()  # rows past the last group
+
+
+@pytest.mark.parametrize("fields,names", [
+    ({}, {"w", "x", "xt", "dy", "dyt"}),
+    (dict(backward_override="high_precision"), {"w", "x"}),
+    (dict(backward_override="dequantized"), {"w", "x"}),
+    (dict(forward_override="high_precision"), {"xt", "dy", "dyt"})])
+def test_capture_records_the_operands_that_stay_in_nvfp4(fields, names):
+    """capture (and QuantStats) record the operands of the NVFP4 GEMMs only, dense and experts."""
+    x, dy = _inputs(7)
+    layer = _layer("reference", **fields)
+    with nr.capture(layer) as ops:
+        _run(layer, x, dy)
+    assert set(ops[""]) == names
+    experts = moe.NVFP4GroupedExperts(32, 48, 3, nr.NVFP4Recipe(backend="reference", **fields))
+    torch.nn.init.normal_(experts.w1), torch.nn.init.normal_(experts.w2), torch.nn.init.normal_(experts.w3)
+    with nr.capture(experts) as ops:
+        experts(torch.randn(48, 32), torch.tensor([16, 0, 32])).sum().backward()
+    assert all(set(p) == names for p in ops[""].values()) and len(ops[""]) == 3
