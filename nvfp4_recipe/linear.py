@@ -77,8 +77,7 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
     reduce = lambda role: _amax_reduce(shard, recipe, role)
     col = recipe.spec(GemmRole.X_WGRAD) if need_xt else None
     if recipe.forward_override is not None:
-        wt = be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=True,
-                               amax_reduce=reduce(GemmRole.W_FPROP))[1] if need_wt else None
+        wt = weight_operands(be, weight, recipe, True, reduce(GemmRole.W_FPROP))[1] if need_wt else None
         xt = be.quantize_pair(x, None, col, signs=signs, amax_reduce=(
             None, reduce(GemmRole.X_WGRAD)))[1] if need_xt else None
         return high_precision.fprop(x.to(out_dtype), weight, bias), wt, xt, None
