@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("--eval-tokens", int, "validation tokens per pass")))
     opt.add_argument("--seed", type=_seed, default=0, metavar="N",
                      help="seeds the file split, the initialization, the data order and NVFP4Recipe.seed")
+    opt.add_argument("--split-seed", type=_seed, default=None, metavar="N",
+                     help="seeds the train/validation file split instead of --seed, so that runs "
+                          "with different --seed share one split (a --seeds study spread over "
+                          "several commands or GPUs)")
     opt.add_argument("--seeds", type=int, default=1, metavar="N",
                      help="train each recipe N times, with seeds --seed, --seed + 1, ... (the file "
                           "split stays --seed's); the table adds the mean and standard deviation of "

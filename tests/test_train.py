@@ -326,6 +326,19 @@ def test_seeds_train_each_recipe_per_seed_and_table_the_mean_and_std(tmp_path, m
     assert "| bf16 (seed 5)" in out
 
 
+def test_split_seed_lets_one_seed_of_a_study_run_alone(tmp_path):
+    """--seed 1 --split-seed 0 is the seed-1 run of --seed 0 --seeds 2: same files, same loss."""
+    _, study = _train(tmp_path / "study", "--recipes", "bf16", "--seeds", "2", "--steps", "6")
+    _, alone = _train(tmp_path / "alone", "--recipes", "bf16", "--seed", "1", "--split-seed", "0",
+                      "--steps", "6")
+    _, other = _train(tmp_path / "other", "--recipes", "bf16", "--seed", "1", "--steps", "6")
+    assert alone["data"]["val_files"] == study["data"]["val_files"] != other["data"]["val_files"]
+    assert alone["data"]["split_seed"] == 0 and other["data"]["split_seed"] == 1
+    assert alone["runs"][0]["seed"] == study["runs"][1]["seed"] == 1
+    assert alone["runs"][0]["val_loss"] == study["runs"][1]["val_loss"]
+    assert alone["runs"][0]["val_loss"] != other["runs"][0]["val_loss"]
+
+
 @pytest.mark.skipif(not _nvfp4_available(), reason="needs the NVFP4 layers")
 def test_quant_stats_are_recorded_in_results_and_plotted(tmp_path):
     status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4-4over6", "--steps", "20",

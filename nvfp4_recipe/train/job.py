@@ -228,7 +228,8 @@ def _prepare(args):
     out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if parallel is None or parallel.is_main:  # rank 0 writes (a failure there stops torchrun)
         _check_out(out, args.overwrite)
-    corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, cfg.seed, max_bytes)
+    split_seed = cfg.seed if args.split_seed is None else args.split_seed
+    corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, split_seed, max_bytes)
     batches = D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
     return cfg, corpus, batches, device, dtype, precision, out, parallel
 
@@ -240,7 +241,8 @@ def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str, proces
             "hardware": _hardware(device), "processes": processes, "precision": precision,
             "torch": torch.__version__,
             "python": platform.python_version(), "config": asdict(cfg),
-            "params": count_params(TinyLM(cfg.model_config())), "data": corpus.as_dict(),
+            "params": count_params(TinyLM(cfg.model_config())),
+            "data": dict(corpus.as_dict(), split_seed=cfg.seed if args.split_seed is None else args.split_seed),
             "recipes": {name: DESCRIPTIONS[name] for name in args.recipes},
             "notes": "losses are mean next-byte cross-entropy in nats; the embedding and lm_head stay in "
                      "high precision in every recipe; train loss = mean of the last tenth of the steps; "
