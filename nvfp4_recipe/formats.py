@@ -60,10 +60,17 @@ def e2m1_floor_code(a: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """Decode uint8 E2M1 codes (0-15, any shape) to float32 values of the same shape."""
+    """Decode uint8 E2M1 codes (0-15, any shape) to float32 values of the same shape.
+
+    Arithmetic on the code's fields (sign bit 3, exponent bits 1-2, mantissa bit 0; exponent 0 is
+    the subnormal 0 / 0.5), not a table lookup: no host-to-device copy, so it runs inside a CUDA
+    graph capture (``inspect.QuantStats``)."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"E2M1 codes must be uint8, got {codes.dtype}")
-    return e2m1_values(codes.device)[codes.long()]
+    c = codes.to(torch.int32)
+    exp, man = (c >> 1) & 3, (c & 1).to(torch.float32)
+    mag = torch.where(exp == 0, 0.5 * man, torch.exp2((exp - 1).to(torch.float32)) * (1 + 0.5 * man))
+    return torch.where(c >= 8, -mag, mag)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

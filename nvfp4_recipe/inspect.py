@@ -3,7 +3,7 @@ quantized operands a training step actually used."""
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -14,6 +14,7 @@ from .conv1d import features
 from .formats import BLOCK, E2M1_GRID, unpack_nibbles
 from .layer import NVFP4Module, Recording
 from .linear import NVFP4Linear
+from .moe import NVFP4Experts
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
 from .spec import Block, GemmRole, QuantSpec
@@ -249,8 +250,8 @@ def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec,
         (ref - deq).square().sum(), ref.square().sum(), (scale == 0).sum(),
         ((scale > 0) & (scale < _E4M3_MIN_NORMAL)).sum(),
         ((top < E2M1_MAX_CODE) & (scale > 0)).sum()]).double()
-    sizes = torch.tensor([ref.numel(), scale.numel()], dtype=torch.float64, device=sums.device)
-    return torch.cat([sizes, sums])
+    sizes = [sums.new_full((1,), n) for n in (ref.numel(), scale.numel())]  # no host copy: capturable
+    return torch.cat([*sizes, sums])
 
 
 def _statistics(counts: torch.Tensor, four_over_six: bool) -> Dict[str, float]:
@@ -276,8 +277,9 @@ class QuantStats:
     operands quantized with 4/6 the share of blocks mapped to 4. The statistics read the first
     ``max_rows`` rows of each operand (its quantization is the whole operand's).
 
-    On a recorded step every operand is quantized once more (as :func:`capture` does), eager
-    mode only: run that step outside a CUDA graph or torch.compile.
+    On a recorded step every operand is quantized once more (as :func:`capture` does). Run that
+    step eagerly inside :meth:`step`, or, in a loop that replays its step in a CUDA graph, replay
+    a second graph that records (:meth:`graphed`; dense models); not under torch.compile.
 
     Example::
 
@@ -314,29 +316,81 @@ class QuantStats:
         if not self.due(step):
             yield
             return
-        keep = lambda hp, q, spec: (operand_counts(hp, q, spec, self.max_rows),
-                                    spec.four_over_six is not None)
-        with _recording(self.model, keep) as stores:
+        with _recording(self.model, self._keep) as stores:
             yield
-        self.history.append({"step": step, "layers": _layer_statistics(stores)})
+        self.history.append({"step": step, "layers": _layer_statistics(*_stacked_counts(stores))})
+
+    def _keep(self, hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec):
+        return operand_counts(hp, q, spec, self.max_rows), spec.four_over_six is not None
+
+    def graphable(self) -> bool:
+        """Whether :meth:`graphed` can capture a recorded step of this model: its NVFP4 layers
+        are all dense (an experts module reads its token groups' bounds on the host to record
+        them group by group)."""
+        return not any(isinstance(m, NVFP4Experts) for m in self.model.modules())
+
+    def graphed(self, step_fn: Callable[[], torch.Tensor],
+                pool=None) -> Callable[[int], torch.Tensor]:
+        """A recorded training step captured in a CUDA graph, for loops that replay their step
+        in one: ``step_fn`` (forward, backward, optimizer step; returns the loss) with the
+        statistics' work captured beside it, so a recorded step costs the graph step plus the
+        recording's kernels instead of an eager step.
+
+        Capture it as ``torch.cuda.graph`` requires: after the step and a recorded step
+        (:meth:`step`, which compiles the recording's kernels) ran eagerly on a side stream.
+
+        Args:
+            step_fn: the step, as captured for the loop's own graph.
+            pool: the memory pool of that graph (``CUDAGraph.pool()``) to share: safe because
+                the two graphs never run at once and the loss and the counts this graph writes
+                are read right after its replay.
+        Returns:
+            ``record(step)``: replays the graph, appends the statistics of step ``step`` to
+            :attr:`history` (one device-to-host transfer) and returns the loss tensor the graph
+            writes.
+        Raises:
+            ValueError: the model has experts modules (:meth:`graphable`): record their steps
+                eagerly with :meth:`step`.
+        """
+        if not self.graphable():
+            raise ValueError("QuantStats.graphed: the model has NVFP4 experts modules, which record "
+                             "their token groups from the host; record eagerly with QuantStats.step")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            with _recording(self.model, self._keep) as stores:
+                loss = step_fn()
+            entries, counts = _stacked_counts(stores)
+
+        def record(step: int) -> torch.Tensor:
+            graph.replay()
+            self.history.append({"step": step, "layers": _layer_statistics(entries, counts)})
+            return loss
+        return record
 
 
-def _layer_statistics(stores: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
-    """``{layer: {operand: statistics}}`` from the recorded ``(counts, four_over_six)``; an
-    experts module's projections become layers ``fqn.projection``, their lists summed. The counts
-    come to the host in one transfer."""
-    entries = []  # (layer, operand, [counts], four_over_six)
+def _stacked_counts(stores: Dict[str, Dict[str, object]]):
+    """(entries, counts) of the recorded ``(counts, four_over_six)``: ``entries`` lists (layer,
+    operand, four_over_six), an experts module's projections as layers ``fqn.projection``;
+    ``counts`` (len(entries), len(COUNTS)) stays on the device, an experts projection's list
+    summed; None when nothing was recorded."""
+    entries, counts = [], []
     for fqn, store in stores.items():
         for name, value in store.items():
             if isinstance(value, dict):  # an experts projection: {operand: [(counts, 4/6), ...]}
-                entries += [(f"{fqn}.{name}", op, [c for c, _ in pairs], pairs[0][1])
-                            for op, pairs in value.items()]
+                for op, pairs in value.items():
+                    entries.append((f"{fqn}.{name}", op, pairs[0][1]))
+                    counts.append(torch.stack([c for c, _ in pairs]).sum(0))
             else:
-                entries.append((fqn, name, [value[0]], value[1]))
-    if not entries:
-        return {}
-    summed = torch.stack([torch.stack(counts).sum(0) for _, _, counts, _ in entries]).cpu()
+                entries.append((fqn, name, value[1]))
+                counts.append(value[0])
+    return entries, torch.stack(counts) if counts else None
+
+
+def _layer_statistics(entries, counts: Optional[torch.Tensor]) -> Dict[str, Dict[str, object]]:
+    """``{layer: {operand: statistics}}`` from :func:`_stacked_counts`; the counts come to the
+    host in one transfer."""
     out: Dict[str, Dict[str, object]] = {}
-    for (layer, operand, _, fos), counts in zip(entries, summed):
-        out.setdefault(layer, {})[operand] = _statistics(counts, fos)
+    if counts is not None:
+        for (layer, operand, fos), c in zip(entries, counts.cpu()):
+            out.setdefault(layer, {})[operand] = _statistics(c, fos)
     return out

@@ -28,6 +28,14 @@ def test_e2m1_ties_round_to_even():
     assert torch.equal(F.e2m1_decode(F.e2m1_encode_rn(-ties)), -expect)
 
 
+def test_e2m1_decode_is_the_code_table_signed_zero_included():
+    codes = torch.randint(0, 16, (4, 64), dtype=torch.uint8)
+    table = F.e2m1_values()[codes.long()]
+    got = F.e2m1_decode(codes)
+    assert torch.equal(got, table) and torch.equal(got.signbit(), table.signbit())
+    assert F.e2m1_decode(torch.tensor([8], dtype=torch.uint8)).signbit().item()
+
+
 def test_e2m1_rn_is_nearest():
     v = torch.empty(10_000).uniform_(-6, 6)
     q = F.e2m1_decode(F.e2m1_encode_rn(v))

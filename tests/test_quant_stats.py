@@ -120,3 +120,59 @@ def test_bad_arguments_name_the_problem():
         nr.QuantStats(nn.Linear(16, 16), max_rows=20)
     with pytest.raises(TypeError):
         nr.QuantStats("model")
+
+
+def test_graphed_refuses_experts_modules():
+    model = nr.quantize_(tiny_qwen3_moe(), nr.NVFP4Recipe(backend="reference"))
+    stats = nr.QuantStats(model)
+    assert not stats.graphable()
+    assert nr.QuantStats(nr.quantize_(nn.Sequential(nn.Linear(32, 32)), nr.NVFP4Recipe())).graphable()
+    with pytest.raises(ValueError, match="experts modules"):
+        stats.graphed(lambda: torch.zeros(()))
+
+
+@pytest.mark.cuda
+def test_graphed_recorded_steps_give_the_eager_statistics_and_losses():
+    """A recorded step replayed from a CUDA graph (QuantStats.graphed) gives the statistics and
+    the loss of the same step recorded eagerly, bit for bit, and trains on: two copies of a model
+    take the same steps, one eagerly, one in graphs."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).cuda()
+    x = torch.randn(256, 64, device="cuda")
+    runs = {}
+    for mode in ("eager", "graph"):
+        model = nr.quantize_(copy.deepcopy(base), nr.NVFP4Recipe(four_over_six="activations"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+        stats = nr.QuantStats(model, every=1)
+
+        def step():
+            with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        losses = []
+        if mode == "eager":
+            for i in range(5):
+                with stats.step(i):
+                    losses.append(step().item())
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(3):
+                    with stats.step(i):
+                        losses.append(step().item())
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            record = stats.graphed(step, pool=graph.pool())
+            losses += [record(i).item() for i in (3, 4)]
+        runs[mode] = losses, stats.history
+    assert runs["graph"][0] == runs["eager"][0]
+    assert runs["graph"][1] == runs["eager"][1]
+    assert [h["step"] for h in runs["graph"][1]] == [0, 1, 2, 3, 4]
+    assert set(runs["graph"][1][4]["layers"]["0"]) == OPERANDS

@@ -271,17 +271,21 @@ def test_graph_mode_gives_the_eager_numbers(tmp_path, model):
     """The whole step captured in a CUDA graph computes what the eager loop computes: the same
     training and validation losses, bit for bit, for bf16 and NVFP4 (SR streams advance per
     replay), dense and MoE (the routing's group sizes stay on the device), and the run says which
-    mode ran."""
+    mode ran; so do the quantization statistics, recorded in a second graph (dense) or eagerly
+    (MoE)."""
     runs = {}
     for mode in ("eager", "graph"):
         status, results = _train(tmp_path / mode, "--recipes", "bf16", "nvfp4", "--device", "cuda",
-                                 "--mode", mode, "--steps", "24", "--eval-every", "12", *model)
+                                 "--mode", mode, "--steps", "24", "--eval-every", "12",
+                                 "--quant-stats-every", "5", *model)
         assert status == 0
         runs[mode] = results["runs"]
     for eager, graph in zip(runs["eager"], runs["graph"], strict=True):
         assert (eager["mode"], graph["mode"]) == ("eager", "graph")
         assert eager["train_curve"] == graph["train_curve"]
         assert eager["val_curve"] == graph["val_curve"]
+        assert eager["quant_stats"] == graph["quant_stats"]
+    assert [h["step"] for h in runs["graph"][1]["quant_stats"]] == [0, 5, 10, 15, 20]
 
 
 def test_step_mode_picks_graph_only_on_cuda_in_one_process():

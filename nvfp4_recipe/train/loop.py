@@ -140,13 +140,19 @@ def step_function(model, opt, cfg: TrainConfig, dtype, x: torch.Tensor, y: torch
     return step
 
 
-def captured(step: Callable[[], torch.Tensor]):
+def captured(step: Callable[[], torch.Tensor], stats: Optional[QuantStats]):
     """``step`` captured in a CUDA graph (after the steps that ran on a side stream, as capture
-    requires): returns (replay, the loss tensor each replay writes)."""
+    requires): returns (replay, the loss tensor each replay writes, and the recorded step
+    :meth:`QuantStats.graphed` captured beside it in the same memory pool, or None without
+    ``stats``, before a recorded step compiled the recording's kernels, or for a model it cannot
+    capture: recorded steps then run eagerly)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         loss = step()
-    return graph.replay, loss
+    record = None
+    if stats is not None and stats.history and stats.graphable():  # after an eager recorded step
+        record = stats.graphed(step, pool=graph.pool())
+    return graph.replay, loss, record
 
 
 def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.device,
@@ -199,7 +205,7 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     opt, set_lr = make_optimizer(model, cfg)
     x, y = next_batch()  # the step's input buffers, refilled before every step
     step_fn = step_function(model, opt, cfg, dtype, x, y)
-    run_step, graph_loss = step_fn, None
+    run_step, graph_loss, record_step = step_fn, None, None
     capture_at = min(3, cfg.steps - 1) if mode == "graph" else -1  # eager steps before the capture
     side = torch.cuda.Stream(device) if mode == "graph" else None
     if side is not None:
@@ -215,7 +221,7 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
         for step in range(cfg.steps):
             if step == capture_at:
                 torch.cuda.current_stream(device).wait_stream(side)
-                run_step, graph_loss = captured(step_fn)
+                run_step, graph_loss, record_step = captured(step_fn, stats)
             if step == warm:
                 _sync(device)
                 t_warm = time.perf_counter()
@@ -226,11 +232,15 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
                     y.copy_(ny)
                 set_lr(step)
                 recorded = stats is not None and stats.due(step)
-                with stats.step(step) if recorded else nullcontext():
-                    # a recorded step runs eagerly (its hooks record the operands): the same bits
-                    loss = step_fn() if recorded else run_step()
-                if graph_loss is not None and not recorded:
-                    loss = graph_loss  # the graph writes its loss in place
+                if recorded and record_step is not None:
+                    loss = record_step(step)  # the step's graph with the recording captured beside it
+                elif recorded:  # eagerly (its hooks record the operands): the same bits
+                    with stats.step(step):
+                        loss = step_fn()
+                else:
+                    loss = run_step()
+                    if graph_loss is not None:
+                        loss = graph_loss  # the graph writes its loss in place
                 losses.append(loss.clone() if parallel is None else parallel.mean(loss))
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step % 10 == 0:
                     last = losses[-1].item()
