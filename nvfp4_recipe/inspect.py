@@ -205,23 +205,26 @@ COUNTS = ("elements", "blocks", "nonzero", "flushed", "saturated", "err", "signa
           "subnormal_blocks", "blocks_to_4")
 
 
-def _first_rows(op: NVFP4Operand, rows: int) -> NVFP4Operand:
-    """The operand's first ``rows`` rows (a multiple of 16 for 2d blocks)."""
+def _corner(op: NVFP4Operand, rows: int, cols: int) -> NVFP4Operand:
+    """The operand's first ``rows`` rows (a multiple of 16 for 2d blocks) and ``cols`` columns (a
+    multiple of 16): whole blocks."""
     scale_rows = rows // BLOCK if op.block is Block.D2 else rows
     outer = op.outer_scale[:rows] if op.outer_scale.dim() else op.outer_scale
-    return NVFP4Operand(op.qdata[:rows], op.scale[:scale_rows], outer, op.block)
+    return NVFP4Operand(op.qdata[:rows, :cols // 2], op.scale[:scale_rows, :cols // BLOCK], outer,
+                        op.block)
 
 
-def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec,
-                   max_rows: int = 4096) -> torch.Tensor:
+def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec, max_rows: int = 512,
+                   max_cols: int = 1024) -> torch.Tensor:
     """The counts behind :class:`QuantStats`' statistics of one operand, over its first
-    ``max_rows`` rows (all of the operand's quantization: its amax is the whole tensor's), left on
-    the operand's device (no host sync).
+    ``max_rows`` rows and ``max_cols`` columns (whole blocks of the operand's quantization: its
+    amax is the whole tensor's), left on the operand's device (no host sync).
 
     Args:
         hp: (rows, K) the high-precision operand as its GEMM takes it (before the RHT).
         q: its quantization (rows, K), as ``inspect.capture`` records it; spec: its QuantSpec.
-        max_rows: a positive multiple of 16.
+        max_rows, max_cols: positive multiples of 16: the sample's size, which bounds the cost
+            whatever the operand's (X^T and dY^T have every token of the step along K).
     Returns:
         float64 (len(COUNTS),), in the order of :data:`COUNTS`: ``elements``, ``blocks``,
         ``nonzero`` (nonzero inputs, in the RHT domain where the RHT is on), ``flushed`` (nonzero
@@ -230,11 +233,11 @@ def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec,
         ``subnormal_blocks`` (E4M3 block scales that are 0, or below 2**-6), ``blocks_to_4``
         (nonzero blocks whose largest code is 4 rather than 6: mapped to 4 by 4/6; exact under RN).
     """
-    rows = min(max_rows, hp.shape[0])
-    if rows == 0 or hp.shape[1] == 0:  # an empty token group of an experts module
+    rows, cols = min(max_rows, hp.shape[0]), min(max_cols, hp.shape[1])
+    if rows == 0 or cols == 0:  # an empty token group of an experts module
         return torch.zeros(len(COUNTS), dtype=torch.float64, device=hp.device)
-    op = _first_rows(q.operand, rows)
-    ref = hp[:rows]
+    op = _corner(q.operand, rows, cols)
+    ref = hp[:rows, :cols]
     ref = (R.rht(ref, q.rht_signs) if q.rht_signs is not None else ref).double()
     deq = R.dequantize(op).double()
     codes = unpack_nibbles(op.qdata) & 0x7
@@ -275,7 +278,8 @@ class QuantStats:
     :func:`capture`), the share of nonzero values flushed to zero, the share saturated, the
     relative MSE and SQNR (dB), the shares of zero and of subnormal E4M3 block scales, and for
     operands quantized with 4/6 the share of blocks mapped to 4. The statistics read the first
-    ``max_rows`` rows of each operand (its quantization is the whole operand's).
+    ``max_rows`` rows and ``max_cols`` columns of each operand (its quantization is the whole
+    operand's), so that a recorded step costs about the same at any model size.
 
     On a recorded step every operand is quantized once more (as :func:`capture` does). Run that
     step eagerly inside :meth:`step`, or, in a loop that replays its step in a CUDA graph, replay
@@ -292,17 +296,20 @@ class QuantStats:
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
-        ValueError: ``every`` not a positive int, ``max_rows`` not a positive multiple of 16.
+        ValueError: ``every`` not a positive int, ``max_rows`` or ``max_cols`` not a positive
+            multiple of 16.
     """
 
-    def __init__(self, model: nn.Module, every: int = 100, max_rows: int = 4096):
+    def __init__(self, model: nn.Module, every: int = 100, max_rows: int = 512,
+                 max_cols: int = 1024):
         check_module("QuantStats", model)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"QuantStats: every must be a positive int, got {every!r}")
-        if not isinstance(max_rows, int) or max_rows < BLOCK or max_rows % BLOCK:
-            raise ValueError(f"QuantStats: max_rows must be a positive multiple of {BLOCK}, "
-                             f"got {max_rows!r}")
-        self.model, self.every, self.max_rows = model, every, max_rows
+        for name, n in (("max_rows", max_rows), ("max_cols", max_cols)):
+            if not isinstance(n, int) or n < BLOCK or n % BLOCK:
+                raise ValueError(f"QuantStats: {name} must be a positive multiple of {BLOCK}, "
+                                 f"got {n!r}")
+        self.model, self.every, self.max_rows, self.max_cols = model, every, max_rows, max_cols
         self.history: List[Dict[str, object]] = []
 
     def due(self, step: int) -> bool:
@@ -321,7 +328,8 @@ class QuantStats:
         self.history.append({"step": step, "layers": _layer_statistics(*_stacked_counts(stores))})
 
     def _keep(self, hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec):
-        return operand_counts(hp, q, spec, self.max_rows), spec.four_over_six is not None
+        return (operand_counts(hp, q, spec, self.max_rows, self.max_cols),
+                spec.four_over_six is not None)
 
     def graphable(self) -> bool:
         """Whether :meth:`graphed` can capture a recorded step of this model: its NVFP4 layers

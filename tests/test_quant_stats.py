@@ -44,13 +44,17 @@ def test_counts_agree_with_tensor_stats(spec):
     assert stats["subnormal_scale_blocks"] > 0 or spec.block is Block.D2  # 16x16 tiles: larger amaxes
 
 
-def test_max_rows_reads_the_first_rows_of_the_whole_tensors_quantization():
-    x = rand((96, 64), seed=4)
-    spec = QuantSpec()
-    head = dict(zip(COUNTS, operand_counts(x, _q(x, spec), spec, max_rows=32).tolist()))
-    whole = R.dequantize(_q(x, spec).operand)[:32]
-    assert head["elements"] == 32 * 64
-    assert head["flushed"] == ((whole == 0) & (x[:32] != 0)).sum().item()
+@pytest.mark.parametrize("block", [Block.D1, Block.D2])
+def test_the_sample_is_a_corner_of_the_whole_tensors_quantization(block):
+    """max_rows x max_cols: whole blocks (16x16 tiles for 2d) of the whole tensor's quantization."""
+    x = rand((96, 128), seed=4)
+    spec = QuantSpec(block)
+    head = dict(zip(COUNTS, operand_counts(x, _q(x, spec), spec, max_rows=32, max_cols=48).tolist()))
+    whole = R.dequantize(_q(x, spec).operand)[:32, :48]
+    assert head["elements"] == 32 * 48
+    assert head["blocks"] == (2 * 3 if block is Block.D2 else 32 * 3)
+    assert head["flushed"] == ((whole == 0) & (x[:32, :48] != 0)).sum().item()
+    assert head["err"] == pytest.approx((whole.double() - x[:32, :48].double()).square().sum().item())
 
 
 @pytest.mark.parametrize("block", [Block.D1, Block.D2])
@@ -118,6 +122,8 @@ def test_bad_arguments_name_the_problem():
         nr.QuantStats(nn.Linear(16, 16), every=0)
     with pytest.raises(ValueError, match="max_rows must be a positive multiple of 16"):
         nr.QuantStats(nn.Linear(16, 16), max_rows=20)
+    with pytest.raises(ValueError, match="max_cols must be a positive multiple of 16"):
+        nr.QuantStats(nn.Linear(16, 16), max_cols=0)
     with pytest.raises(TypeError):
         nr.QuantStats("model")
 
