@@ -1,15 +1,11 @@
 """NVFP4Linear: an nn.Linear whose three GEMMs (fprop, dgrad, wgrad) run in NVFP4.
 
-The recipe table of docs/recipe.md (after NVIDIA, arXiv 2509.25149, section 4):
-
-    fprop  Y  = X W^T    X: 1D RN             W: 2D (or 1D) RN
-    dgrad  dX = dY W     dY: 1D, SR           W^T: the same 2D quantization, transposed
-    wgrad  dW = dY^T X   dY^T: RHT + 1D, SR   X^T: RHT + 1D, RN   (blocks along tokens)
-
-The weight stays a high-precision master parameter; it is quantized on every forward (once per
-weight version inside :func:`cached_weights`, for evaluation and generation). Backward keeps the
-quantized columnwise X^T (and W^T), not the high-precision X. A tensor-parallel layer
-(DTensor weight) runs the same algorithm on its shards (``distributed.py``).
+The layer runs the algorithm of ``gemms.py`` (the recipe table of docs/recipe.md) in its dense
+layout (:class:`gemms.Dense`). The weight stays a high-precision master parameter; it is quantized
+on every forward (once per weight version inside :func:`cached_weights`, for evaluation and
+generation). Backward keeps the quantized columnwise X^T (and W^T), not the high-precision X. A
+tensor-parallel layer (DTensor weight) runs the same algorithm on its shards
+(``tensor_parallel.py``).
 """
 
 from typing import Optional, Tuple
@@ -17,77 +13,41 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from . import high_precision
-from . import reference as R
+from . import gemms
 from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
-from .layer import (NVFP4Module, backend_name, local, next_sr_key, nvfp4_operands, out_dtype, sr_key,
-                    training)
+from .gemms import weight_operands
+from .layer import NVFP4Module, backend_name, local, nvfp4_operands, out_dtype, sr_key, training
 from .operand import NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import GemmRole, Override
+from .spec import GemmRole
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
 
 __all__ = ["NVFP4Linear", "linear_fprop", "linear_grads"]
 
-def _amax_reduce(shard: Optional[TensorParallelShard], recipe: NVFP4Recipe, role: GemmRole):
-    """The amax reducer of operand ``role`` (None: its own amax)."""
-    return None if shard is None else shard.amax_reduce(role, recipe.spec(role))
-
-
-def weight_operands(be: Backend, weight: torch.Tensor, recipe: NVFP4Recipe, need_wt: bool,
-                    amax_reduce=None) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-    """fprop's W (N, K) and, with ``need_wt``, dgrad's W^T (K, N) (codes): ``be.prepare_weight``
-    of a high-precision ``weight``; a weight that is an :class:`NVFP4Tensor` already (FSDP2's fp4
-    all-gather, ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose
-    (``reference.transpose_2d``: codes and scales moved)."""
-    if isinstance(weight, NVFP4Tensor):
-        w = weight.operand
-        return be.prepare(w), R.transpose_2d(w) if need_wt else None
-    return be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                             amax_reduce=amax_reduce)
-
-
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
                  need_xt: bool, shard: Optional[TensorParallelShard] = None,
                  w: Optional[NVFP4Operand] = None, keep: bool = False,
                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[tuple]]:
-    """fprop of an NVFP4 linear: ``Y = Q(X) @ Q(W)^T + bias`` on backend ``be`` (with
-    ``recipe.forward_override``: ``X @ W^T + bias`` in ``out_dtype``, the copies for backward
-    quantized as usual).
+    """fprop of an NVFP4 linear, :func:`gemms.fprop` of the :class:`gemms.Dense` layout:
+    ``Y = Q(X) @ Q(W)^T + bias``.
 
     Args:
         x: (M, K) activations; weight: W (N, K), or W quantized already (an NVFP4Tensor:
-            :func:`weight_operands`); bias: None or (N,).
-        signs: (16,) RHT signs of the wgrad copy X^T.
-        need_wt, need_xt: also quantize W^T (K, N) for dgrad and X^T (K, M) for wgrad.
-        shard: None, or the tensor-parallel layout of these local shards
-            (:class:`distributed.TensorParallelShard`): the amaxes of sharded operands are
-            reduced over the group, so each shard is quantized as the whole tensor is.
+            :func:`gemms.weight_operands`); bias: None or (N,).
+        shard: None, or the tensor-parallel layout of these local shards (``Dense.shard``).
         w: W as ``be.prepare_weight`` made it for fprop (:func:`cached_weights`), or None to
             quantize ``weight`` here; only without need_wt.
-        keep: also return fprop's operands (X as codes), for a dequantized backward.
+        Others: as :func:`gemms.fprop`.
     Returns:
-        (Y (M, N) of ``out_dtype``, W^T or None, X^T or None, (X, W) operands or None): the copies
-        backward keeps, as codes.
+        (Y (M, N) of ``out_dtype``, W^T (K, N) or None, X^T (K, M) or None, (X, W) operands or
+        None).
     """
-    reduce = lambda role: _amax_reduce(shard, recipe, role)
-    col = recipe.spec(GemmRole.X_WGRAD) if need_xt else None
-    if recipe.forward_override is not None:
-        wt = weight_operands(be, weight, recipe, True, reduce(GemmRole.W_FPROP))[1] if need_wt else None
-        xt = be.quantize_pair(x, None, col, signs=signs, amax_reduce=(
-            None, reduce(GemmRole.X_WGRAD)))[1] if need_xt else None
-        return high_precision.fprop(x.to(out_dtype), weight, bias), wt, xt, None
-    wt = None
-    if w is None:
-        w, wt = weight_operands(be, weight, recipe, need_wt, reduce(GemmRole.W_FPROP))
-    xq, xt, _ = be.quantize_pair(x, recipe.spec(GemmRole.X_FPROP), col, signs=signs,
-                                 transient=(not keep, False),
-                                 amax_reduce=(reduce(GemmRole.X_FPROP), reduce(GemmRole.X_WGRAD)))
-    return be.mm(xq, w, bias=bias, out_dtype=out_dtype), wt, xt, ((xq, w) if keep else None)
+    return gemms.fprop(_dense(shard), be, x, weight, bias, recipe, signs, out_dtype, need_wt,
+                       need_xt, w, keep)
 
 
 def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
@@ -95,35 +55,38 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
                  seed: torch.Tensor, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
                  shard: Optional[TensorParallelShard] = None,
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """dgrad and wgrad of an NVFP4 linear from dY (M, N) on backend ``be``.
-
-    dgrad (with W^T (K, N)): ``dX = Q(dY) @ (W^T)^T``, dY quantized rowwise (SR stream ``seed`` at
-    offset ``SR_OFFSETS[DY_DGRAD]``). wgrad (with X^T (K, M)): ``dW = Q(dY^T) @ (X^T)^T``, dY^T
-    quantized along the tokens (RHT, SR at offset ``SR_OFFSETS[DY_WGRAD]``). Both copies of dY
-    come from one read; X^T is prepared for its GEMM in that pass where the backend can.
-    ``shard``: as in :func:`linear_fprop`; a shard's SR counters also start where its rows start
-    in the whole operand where rows are split (``TensorParallelShard.sr_offset``).
+    """dgrad and wgrad of an NVFP4 linear from dY (M, N), :func:`gemms.grads` of the
+    :class:`gemms.Dense` layout, with W^T (K, N) and X^T (K, M) as :func:`linear_fprop` made
+    them; ``shard`` as there.
 
     Returns:
         (dX (M, K) of ``dx_dtype`` or None, dW (N, K) of ``dw_dtype`` or None).
     """
-    if wt is not None:
-        wt = be.prepare(wt)
-    (m, n), offsets = dy.shape, dict(SR_OFFSETS)
-    if shard is not None:
-        offsets[GemmRole.DY_DGRAD] += shard.sr_offset(GemmRole.DY_DGRAD, m, n)
-        offsets[GemmRole.DY_WGRAD] += shard.sr_offset(GemmRole.DY_WGRAD, n, m)
-    dyq, dytq, xt = be.quantize_pair(
-        dy, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
-        recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
-        row_offset=offsets[GemmRole.DY_DGRAD], col_offset=offsets[GemmRole.DY_WGRAD],
-        signs=signs, transient=(True, True), prepare=xt,
-        amax_reduce=(_amax_reduce(shard, recipe, GemmRole.DY_DGRAD),
-                     _amax_reduce(shard, recipe, GemmRole.DY_WGRAD)))
-    dx = None if dyq is None else be.mm(dyq, wt, out_dtype=dx_dtype)
-    del dyq  # frees dY's copy before the wgrad GEMM
-    dw = None if dytq is None else be.mm(dytq, xt, out_dtype=dw_dtype)
-    return dx, dw
+    return gemms.grads(_dense(shard), be, dy, wt, xt, recipe, signs, seed, dx_dtype, dw_dtype)
+
+
+_DENSE = gemms.Dense()
+
+
+def _dense(shard: Optional[TensorParallelShard]) -> gemms.Dense:
+    """The dense layout of a layer, or of its tensor-parallel ``shard``."""
+    return _DENSE if shard is None else gemms.Dense(shard)
+
+
+def _check_tokens(x2: torch.Tensor, weight: torch.Tensor, recipe: NVFP4Recipe) -> None:
+    """In training, wgrad's blocks of 16 run along the tokens.
+
+    Raises:
+        ValueError: a weight gradient to compute in NVFP4 from a token count not a multiple of
+            16, with how to pad.
+    """
+    if weight.requires_grad and recipe.backward_override is None and x2.shape[0] % BLOCK:
+        raise ValueError(
+            f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the number "
+            f"of tokens (product of the input's leading dims) must be a multiple of {BLOCK}, "
+            f"got {x2.shape[0]}. Pad each batch to a multiple of {BLOCK} tokens (Hugging Face: "
+            f"DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of={BLOCK}))"
+            f" or pack sequences; inference under torch.no_grad takes any number")
 
 
 def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -139,68 +102,6 @@ def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             raise RuntimeError(f"{what} must have the same dtype, but got {t.dtype} and "
                                f"{weight.dtype} (NVFP4Linear follows nn.Linear: outside autocast the "
                                f"input and the bias take the weight's dtype)")
-
-
-class _NVFP4LinearFn(torch.autograd.Function):
-    """y (M, N) = x (M, K) @ W^T + b with NVFP4 fprop, dgrad and wgrad GEMMs (:func:`linear_fprop`,
-    :func:`linear_grads`). Returns a fresh tensor, never a view, so that in-place ops on it work."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, signs, sr, recipe: NVFP4Recipe, backend: str,
-                out_dtype: torch.dtype, shard: Optional[TensorParallelShard]):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override = recipe.backward_override
-        if need_dw and not override and x.shape[0] % BLOCK:
-            raise ValueError(
-                f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the number "
-                f"of tokens (product of the input's leading dims) must be a multiple of {BLOCK}, "
-                f"got {x.shape[0]}. Pad each batch to a multiple of {BLOCK} tokens (Hugging Face: "
-                f"DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of={BLOCK}))"
-                f" or pack sequences; inference under torch.no_grad takes any number")
-        y, wt, xt, kept = linear_fprop(
-            resolved(backend), x, weight, bias, recipe, signs, out_dtype, need_dx and not override,
-            need_dw and not override, shard, keep=override is Override.DEQUANTIZED)
-        ctx.recipe, ctx.backend, ctx.shard = recipe, backend, shard
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        if override is not None:
-            ctx.kept_blocks = tuple(op.block for op in kept) if kept else None
-            ctx.save_for_backward(weight, *high_precision.saved(override, x, *(kept or (None,) * 2)))
-            return y
-        ctx.w_block = wt.block if wt is not None else None
-        none3 = (None, None, None)
-        ctx.save_for_backward(*(wt[:3] if wt else none3), *(xt[:3] if xt else none3), signs)
-        # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
-        # backward advances sr_step, which a saved tensor's version check would refuse when the
-        # layer runs twice before one backward (shared weights, a loop over the layer)
-        ctx.sr = sr
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override = ctx.recipe.backward_override
-        with torch.autocast(dy.device.type, enabled=False):
-            if override is not None:
-                weight, *kept = ctx.saved_tensors
-                x, w = high_precision.restored(override, weight, kept, ctx.kept_blocks)
-                dx, dw = high_precision.grads(dy, x, w, need_dx, need_dw, ctx.x_dtype, ctx.w_dtype)
-            else:
-                dx, dw = _nvfp4_grads(ctx, dy, need_dx, need_dw)
-        db = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
-        return dx, dw, db, None, None, None, None, None, None
-
-
-def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
-    """dgrad and wgrad in NVFP4 from what :class:`_NVFP4LinearFn` saved."""
-    saved = ctx.saved_tensors
-    signs = saved[6]
-    wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None and need_dx else None
-    xt = NVFP4Operand(*saved[3:6]) if saved[3] is not None and need_dw else None
-    return linear_grads(resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs,
-                        next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype, ctx.shard)
 
 
 class NVFP4Linear(NVFP4Module, nn.Linear):
@@ -306,8 +207,9 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
                 y = nn.functional.linear(x2.to(weight.dtype), weight, bias).to(y_dtype)
             elif training(x, weight, bias):
-                y = _NVFP4LinearFn.apply(x2, weight, bias, signs, self.sr_state(), self.recipe,
-                                         backend, y_dtype, shard)
+                _check_tokens(x2, weight, self.recipe)
+                y = gemms.GemmsFn.apply(x2, weight, bias, signs, self.sr_state(), self.recipe,
+                                        backend, y_dtype, _dense(shard))
             else:
                 # keyed by the Parameter, whose version counter a transposed view shares
                 w = None if shard is not None else self.cached_operand(

@@ -1,6 +1,6 @@
 """Mixture-of-experts layers in NVFP4: grouped fprop, dgrad and wgrad over the experts' token groups.
 
-The layer algorithm of ``linear.py`` applied to G experts at once (docs/moe.md): the tokens routed
+The layer algorithm of ``gemms.py`` applied to G experts at once (docs/moe.md): the tokens routed
 to the experts form one (T, K) matrix sorted by expert, split into groups by ``offs`` (int32
 cumulative ends, ``torch._grouped_mm``'s convention); each expert's weight W_g (N, K) is one slice
 of a (G, N, K) parameter. Per projection and step:
@@ -28,15 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import high_precision
+from . import gemms
 from .backends import Backend, resolved
-from .backends.grouped import check_offsets, expert_rows, expert_slice, group_bounds, group_slice
+from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
-from .layer import (NVFP4Module, backend_name, next_sr_key, nvfp4_operands, out_dtype, sr_key,
-                    training)
+from .layer import NVFP4Module, backend_name, nvfp4_operands, out_dtype, sr_key, training
 from .operand import GroupedOperand, NVFP4Operand
 from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import GemmRole, Override
+from .spec import GemmRole
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
@@ -50,128 +49,34 @@ def grouped_fprop(be: Backend, x: torch.Tensor, offs: torch.Tensor, w: torch.Ten
                   recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype,
                   need_wt: bool, need_xt: bool, wq: Optional[NVFP4Operand] = None, keep: bool = False,
                   ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand], Optional[tuple]]:
-    """fprop of a grouped NVFP4 linear: ``Y[group g] = Q(X_g) @ Q(W_g)^T`` on backend ``be`` (with
-    ``recipe.forward_override``: ``X_g @ W_g^T`` in ``out_dtype``, the copies for backward
-    quantized as usual).
+    """fprop of a grouped NVFP4 linear, :func:`gemms.fprop` of the :class:`gemms.Grouped`
+    layout: ``Y[group g] = Q(X_g) @ Q(W_g)^T``.
 
     Args:
         x: (T, K) tokens sorted by expert; offs: int32 (G,) group ends; w: (G, N, K) weights.
-        signs: (16,) RHT signs of the wgrad copies.
-        need_wt, need_xt: also quantize each W_g^T (for dgrad) and each X_g^T (for wgrad).
         wq: the weights as ``be.quantize_experts`` made them for fprop (:func:`cached_weights`),
             or None to quantize ``w`` here; only without need_wt.
-        keep: also return fprop's operands as :func:`dequantizable` ones, for a dequantized
-            backward.
+        Others: as :func:`gemms.fprop`.
     Returns:
         (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
-        grouped along the tokens or None; (X, W) operands or None): the copies backward keeps.
+        grouped along the tokens or None; (X, W) operands or None).
     """
-    col = recipe.spec(GemmRole.X_WGRAD) if need_xt else None
-    if recipe.forward_override is not None:
-        wt = be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=True,
-                                 transient=True)[1] if need_wt else None
-        xt = be.quantize_groups(x, offs, None, col, signs=signs)[1] if need_xt else None
-        return high_precision.fprop(x.to(out_dtype), w, offs=offs), wt, xt, None
-    wt = None
-    if wq is None:
-        wq, wt = be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                                     transient=not keep)
-    xq, xt, _ = be.quantize_groups(x, offs, recipe.spec(GemmRole.X_FPROP), col, signs=signs,
-                                   transient=(not keep, False))
-    y = be.grouped_mm(xq, wq, out_dtype=out_dtype)
-    return y, wt, xt, (dequantizable(xq), dequantizable_experts(wq)) if keep else None
-
-
-def dequantizable(xq: GroupedOperand) -> NVFP4Operand:
-    """A rows-grouped operand as a dense one with one outer scale per row (its group's, or its
-    own per token), which ``reference.dequantize`` takes."""
-    d = xq.data
-    if xq.per_token:
-        return d
-    rows = torch.arange(d.rows, device=xq.offs.device)
-    group = torch.searchsorted(xq.offs, rows, right=True).clamp_(max=xq.groups - 1)
-    return d._replace(outer_scale=d.outer_scale[group])
-
-
-def dequantizable_experts(wq: NVFP4Operand) -> NVFP4Operand:
-    """Stacked (G, N, K) expert weights with their (G,) outer scales spread over the rows (G, N)."""
-    return wq._replace(outer_scale=wq.outer_scale[:, None].expand(-1, expert_rows(wq)))
+    return gemms.fprop(gemms.Grouped(offs), be, x, w, None, recipe, signs, out_dtype, need_wt,
+                       need_xt, wq, keep)
 
 
 def grouped_grads(be: Backend, dy: torch.Tensor, offs: torch.Tensor,
                   wt: Optional[NVFP4Operand], xt: Optional[GroupedOperand], recipe: NVFP4Recipe,
                   signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
                   dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """dgrad and wgrad of a grouped NVFP4 linear from dY (T, N), as ``linear.linear_grads`` per
-    group: dY quantized rowwise (SR stream ``seed``, counter base ``SR_OFFSETS[DY_DGRAD]``) and
-    each dY_g^T along its tokens (RHT, SR, ``SR_OFFSETS[DY_WGRAD]``), from one read of dY; W^T
-    is prepared for dgrad's GEMM in that pass where the backend can.
+    """dgrad and wgrad of a grouped NVFP4 linear from dY (T, N), :func:`gemms.grads`
+    of the :class:`gemms.Grouped` layout, with W^T and X^T as :func:`grouped_fprop` made them.
 
     Returns:
         (dX (T, K) of ``dx_dtype`` or None, dW (G, N, K) of ``dw_dtype`` or None).
     """
-    dyq, dytq, wt = be.quantize_groups(
-        dy, offs, recipe.spec(GemmRole.DY_DGRAD) if wt is not None else None,
-        recipe.spec(GemmRole.DY_WGRAD) if xt is not None else None, seed=seed,
-        row_offset=SR_OFFSETS[GemmRole.DY_DGRAD], col_offset=SR_OFFSETS[GemmRole.DY_WGRAD],
-        signs=signs, transient=(True, True), prepare=wt)
-    dx = None if dyq is None else be.grouped_mm(dyq, wt, out_dtype=dx_dtype)
-    del dyq
-    dw = None if dytq is None else be.grouped_mm(dytq, xt, out_dtype=dw_dtype)
-    return dx, dw
-
-
-class _GroupedLinearFn(torch.autograd.Function):
-    """Y (T, N) = grouped X (T, K) @ W_g^T with NVFP4 fprop, dgrad and wgrad (:func:`grouped_fprop`,
-    :func:`grouped_grads`). ``sr`` is (seed, step, rank): two 0-d int64 buffer views and the
-    data-parallel rank keying the backward's SR stream (``linear.sr_key``, read in backward, then
-    step += 1); the views are kept on ctx rather than saved, because the steps of a module's
-    projections are views of one buffer whose version counter every advance bumps."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs, signs, sr, recipe: NVFP4Recipe, backend: str,
-                out_dtype: torch.dtype):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override = recipe.backward_override
-        y, wt, xt, kept = grouped_fprop(
-            resolved(backend), x, offs, w, recipe, signs, out_dtype, need_dx and not override,
-            need_dw and not override, keep=override is Override.DEQUANTIZED)
-        ctx.recipe, ctx.backend, ctx.sr = recipe, backend, sr
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        if override is not None:
-            ctx.kept_blocks = tuple(op.block for op in kept) if kept else None
-            ctx.save_for_backward(offs, w, *high_precision.saved(override, x, *(kept or (None,) * 2)))
-            return y
-        ctx.w_block = wt.block if wt is not None else None
-        ctx.xt_per_token = xt.per_token if xt is not None else None
-        none3 = (None, None, None)
-        ctx.save_for_backward(offs, signs, *(wt[:3] if wt else none3),
-                              *(xt.data[:3] if xt else none3))
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override = ctx.recipe.backward_override
-        with torch.autocast(dy.device.type, enabled=False):
-            if override is not None:
-                offs, w, *kept = ctx.saved_tensors
-                x, w = high_precision.restored(override, w, kept, ctx.kept_blocks)
-                dx, dw = high_precision.grads(dy.contiguous(), x, w, need_dx, need_dw,
-                                              ctx.x_dtype, ctx.w_dtype, offs)
-            else:
-                dx, dw = _nvfp4_grads(ctx, dy.contiguous(), need_dx, need_dw)
-        return dx, dw, None, None, None, None, None, None
-
-
-def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
-    """dgrad and wgrad in NVFP4 from what :class:`_GroupedLinearFn` saved."""
-    offs, signs, *saved = ctx.saved_tensors
-    wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None and need_dx else None
-    xt = None if saved[3] is None or not need_dw else GroupedOperand(
-        NVFP4Operand(*saved[3:6]), offs, True, ctx.xt_per_token)
-    return grouped_grads(resolved(ctx.backend), dy, offs, wt, xt, ctx.recipe, signs,
-                         next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype)
+    return gemms.grads(gemms.Grouped(offs), be, dy, wt, xt, recipe, signs, seed, dx_dtype,
+                       dw_dtype)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe,
@@ -206,7 +111,8 @@ def _grouped_linear(x, w, offs, recipe, signs, sr, backend, wq=None):
     y_dtype = out_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         if training(x, w):
-            return _GroupedLinearFn.apply(x, w, offs, signs, sr, recipe, backend, y_dtype)
+            return gemms.GemmsFn.apply(x, w, None, signs, sr, recipe, backend, y_dtype,
+                                       gemms.Grouped(offs))
         return grouped_fprop(resolved(backend), x, offs, w, recipe, signs, y_dtype,
                              False, False, wq)[0]
 

@@ -1,0 +1,333 @@
+"""The layer algorithm, written once: fprop, dgrad and wgrad of an NVFP4 linear and the autograd
+Function that runs them, for a dense layer and for the experts' grouped projections.
+
+The recipe table of docs/recipe.md (after NVIDIA, arXiv 2509.25149, section 4):
+
+    fprop  Y  = X W^T    X: 1D RN             W: 2D (or 1D) RN
+    dgrad  dX = dY W     dY: 1D, SR           W^T: the same 2D quantization, transposed
+    wgrad  dW = dY^T X   dY^T: RHT + 1D, SR   X^T: RHT + 1D, RN   (blocks along tokens)
+
+A layout maps these steps onto the backend's primitives: :class:`Dense` (W (N, K), X (M, K):
+``prepare_weight``, ``quantize_pair``, ``mm``) and :class:`Grouped` (experts: W (G, N, K), the
+tokens sorted by expert in groups ending at ``offs``: ``quantize_experts``, ``quantize_groups``,
+``grouped_mm``). A dense layer is one group: both run the same three GEMMs, quantize the same
+operands under the same specs and keep the same operands (as codes) for backward. A new kind of
+layer whose GEMMs map onto other primitives is a new layout with the same methods.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import high_precision
+from . import reference as R
+from .backends import Backend, resolved
+from .backends.grouped import expert_rows
+from .layer import next_sr_key
+from .operand import GroupedOperand, NVFP4Operand
+from .recipe import SR_OFFSETS, NVFP4Recipe
+from .spec import GemmRole, Override
+from .tensor import NVFP4Tensor
+from .tensor_parallel import TensorParallelShard
+
+__all__ = ["Dense", "Grouped", "GemmsFn", "fprop", "grads", "weight_operands"]
+
+# where the SR counters of dY's two copies start (the tensor-parallel shift of a shard added)
+_DY_OFFSETS = (SR_OFFSETS[GemmRole.DY_DGRAD], SR_OFFSETS[GemmRole.DY_WGRAD])
+
+
+def weight_operands(be: Backend, weight: torch.Tensor, recipe: NVFP4Recipe, need_wt: bool,
+                    amax_reduce=None) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+    """fprop's W (N, K) and, with ``need_wt``, dgrad's W^T (K, N) (codes): ``be.prepare_weight``
+    of a high-precision ``weight``; a weight that is an :class:`NVFP4Tensor` already (FSDP2's fp4
+    all-gather, ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose
+    (``reference.transpose_2d``: codes and scales moved)."""
+    if isinstance(weight, NVFP4Tensor):
+        w = weight.operand
+        return be.prepare(w), R.transpose_2d(w) if need_wt else None
+    return be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
+                             amax_reduce=amax_reduce)
+
+
+class Dense(NamedTuple):
+    """The layout of a dense layer, one group: X (M, K), W (N, K) (or an :class:`NVFP4Tensor`,
+    :func:`weight_operands`), an optional bias (N,); X^T (K, M) and W^T (K, N) are
+    :class:`NVFP4Operand`.
+
+    Fields:
+        shard: None, or the tensor-parallel layout of these local shards
+            (:class:`tensor_parallel.TensorParallelShard`): the amaxes of sharded operands are
+            reduced over the group, so each shard is quantized as the whole tensor is, and an SR
+            operand's counters start where the shard's rows start in the whole operand.
+    """
+
+    shard: Optional[TensorParallelShard] = None
+    offs = None  # one group (``high_precision``'s convention)
+
+    def _reduce(self, recipe: NVFP4Recipe, role: Optional[GemmRole]):
+        """The amax reducer of operand ``role`` of a shard (None: no such copy, or its own
+        amax)."""
+        return role and self.shard.amax_reduce(role, recipe.spec(role))
+
+    def weights(self, be: Backend, w: torch.Tensor, recipe: NVFP4Recipe, need_t: bool,
+                transient: bool) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """(W, W^T or None): :func:`weight_operands`, W always ready for :meth:`mm` (``transient``
+        changes nothing)."""
+        return weight_operands(be, w, recipe, need_t, None if self.shard is None else
+                               self._reduce(recipe, GemmRole.W_FPROP))
+
+    def tokens(self, be: Backend, x: torch.Tensor, recipe: NVFP4Recipe, rows: Optional[GemmRole],
+               cols: Optional[GemmRole], *, signs: torch.Tensor, seed=0, offsets=(0, 0),
+               transient=(False, False), prepare: Optional[NVFP4Operand] = None):
+        """(rowwise, columnwise, prepared ``prepare``): x (M, K) quantized as operand ``rows``
+        and x^T (K, M) as operand ``cols`` (each None to skip) by ``be.quantize_pair``, SR
+        counters from ``offsets``."""
+        reduce = (None, None) if self.shard is None else (self._reduce(recipe, rows),
+                                                          self._reduce(recipe, cols))
+        return be.quantize_pair(x, rows and recipe.spec(rows), cols and recipe.spec(cols),
+                                seed=seed, row_offset=offsets[0], col_offset=offsets[1],
+                                signs=signs, transient=transient, prepare=prepare,
+                                amax_reduce=reduce)
+
+    def grad_copies(self, be: Backend, dy: torch.Tensor, recipe: NVFP4Recipe, rows, cols, wt, xt,
+                    signs: torch.Tensor, seed: torch.Tensor):
+        """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (M, N) as operands ``rows`` and ``cols``
+        (SR stream ``seed``), W^T made ready for :meth:`mm` by ``be.prepare`` and X^T in dY's
+        pass. SR counters start at ``SR_OFFSETS``, shifted past the other shards' blocks
+        (``TensorParallelShard.sr_offset``)."""
+        wt = None if wt is None else be.prepare(wt)
+        offsets = _DY_OFFSETS
+        if self.shard is not None:
+            (m, n), shift = dy.shape, self.shard.sr_offset
+            offsets = (offsets[0] + shift(GemmRole.DY_DGRAD, m, n),
+                       offsets[1] + shift(GemmRole.DY_WGRAD, n, m))
+        dyq, dytq, xt = self.tokens(be, dy, recipe, rows, cols, signs=signs, seed=seed,
+                                    offsets=offsets, transient=(True, True), prepare=xt)
+        return dyq, dytq, wt, xt
+
+    @staticmethod
+    def mm(be: Backend, a: NVFP4Operand, b: NVFP4Operand, out_dtype: torch.dtype,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``be.mm``: A (M, K) @ B (N, K)^T + bias -> (M, N) of ``out_dtype``."""
+        return be.mm(a, b, bias=bias, out_dtype=out_dtype)
+
+    @staticmethod
+    def dequantizable(xq: NVFP4Operand, wq: NVFP4Operand) -> Tuple[NVFP4Operand, NVFP4Operand]:
+        """fprop's X and W as ``reference.dequantize`` takes them: as they are."""
+        return xq, wq
+
+    @staticmethod
+    def gradient(dy: torch.Tensor) -> torch.Tensor:
+        """dY as the primitives take it: as it is."""
+        return dy
+
+    @staticmethod
+    def saved_columns(xt: NVFP4Operand) -> Tuple[NVFP4Operand, None]:
+        """(X^T's dense operand, what else rebuilds it: nothing)."""
+        return xt, None
+
+    @staticmethod
+    def columns(data: NVFP4Operand, meta: None) -> NVFP4Operand:
+        """X^T rebuilt from :meth:`saved_columns`."""
+        return data
+
+
+class Grouped(NamedTuple):
+    """The layout of the experts' grouped projections: X (T, K) tokens sorted by expert, W
+    (G, N, K) stacked expert weights, no bias; X and X^T are :class:`GroupedOperand`, W and W^T
+    stacked :class:`NVFP4Operand` (G, N, K) and (G, K, N) with (G,) outer scales.
+
+    Fields:
+        offs: int32 (G,) cumulative group ends on the device (``torch._grouped_mm``'s
+            convention), never read on the host.
+    """
+
+    offs: torch.Tensor
+
+    @staticmethod
+    def weights(be: Backend, w: torch.Tensor, recipe: NVFP4Recipe, need_t: bool,
+                transient: bool) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """(W, W^T or None): ``be.quantize_experts``, each W_g alone (``transient``: W only feeds
+        the next :meth:`mm`)."""
+        return be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_t,
+                                   transient=transient)
+
+    def tokens(self, be: Backend, x: torch.Tensor, recipe: NVFP4Recipe, rows: Optional[GemmRole],
+               cols: Optional[GemmRole], *, signs: torch.Tensor, seed=0, offsets=(0, 0),
+               transient=(False, False), prepare: Optional[NVFP4Operand] = None):
+        """(rowwise, columnwise, prepared ``prepare``): the token groups of x (T, K) quantized as
+        operand ``rows`` and each x_g^T as operand ``cols`` (each None to skip) by
+        ``be.quantize_groups``, SR counters from ``offsets``."""
+        return be.quantize_groups(x, self.offs, rows and recipe.spec(rows),
+                                  cols and recipe.spec(cols), seed=seed, row_offset=offsets[0], col_offset=offsets[1],
+                                  signs=signs, transient=transient, prepare=prepare)
+
+    def grad_copies(self, be: Backend, dy: torch.Tensor, recipe: NVFP4Recipe, rows, cols, wt, xt,
+                    signs: torch.Tensor, seed: torch.Tensor):
+        """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (T, N) as operands ``rows`` and ``cols``
+        (SR stream ``seed``, counters from ``SR_OFFSETS``, each group's past the earlier
+        groups'), W^T made ready for :meth:`mm` in dY's pass; ``grouped_mm`` takes X^T as it
+        is."""
+        dyq, dytq, wt = self.tokens(be, dy, recipe, rows, cols, signs=signs, seed=seed,
+                                    offsets=_DY_OFFSETS, transient=(True, True), prepare=wt)
+        return dyq, dytq, wt, xt
+
+    @staticmethod
+    def mm(be: Backend, a: GroupedOperand, b, out_dtype: torch.dtype,
+           bias: None = None) -> torch.Tensor:
+        """``be.grouped_mm`` (the experts have no bias): (T, N), or (G, N, K) for wgrad."""
+        return be.grouped_mm(a, b, out_dtype=out_dtype)
+
+    @staticmethod
+    def dequantizable(xq: GroupedOperand, wq: NVFP4Operand) -> Tuple[NVFP4Operand, NVFP4Operand]:
+        """fprop's X and W as ``reference.dequantize`` takes them (:func:`dequantizable`,
+        :func:`dequantizable_experts`)."""
+        return dequantizable(xq), dequantizable_experts(wq)
+
+    @staticmethod
+    def gradient(dy: torch.Tensor) -> torch.Tensor:
+        """dY as the grouped primitives take it: contiguous."""
+        return dy.contiguous()
+
+    @staticmethod
+    def saved_columns(xt: GroupedOperand) -> Tuple[NVFP4Operand, bool]:
+        """(X^T's data, its ``per_token``): with ``offs``, what rebuilds it."""
+        return xt.data, xt.per_token
+
+    def columns(self, data: NVFP4Operand, per_token: bool) -> GroupedOperand:
+        """X^T rebuilt from :meth:`saved_columns`: grouped along the tokens."""
+        return GroupedOperand(data, self.offs, True, per_token)
+
+
+def dequantizable(xq: GroupedOperand) -> NVFP4Operand:
+    """A rows-grouped operand as a dense one with one outer scale per row (its group's, or its
+    own per token), which ``reference.dequantize`` takes."""
+    d = xq.data
+    if xq.per_token:
+        return d
+    rows = torch.arange(d.rows, device=xq.offs.device)
+    group = torch.searchsorted(xq.offs, rows, right=True).clamp_(max=xq.groups - 1)
+    return d._replace(outer_scale=d.outer_scale[group])
+
+
+def dequantizable_experts(wq: NVFP4Operand) -> NVFP4Operand:
+    """Stacked (G, N, K) expert weights with their (G,) outer scales spread over the rows (G, N)."""
+    return wq._replace(outer_scale=wq.outer_scale[:, None].expand(-1, expert_rows(wq)))
+
+
+def fprop(layout, be: Backend, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+          recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
+          need_xt: bool, wq: Optional[NVFP4Operand] = None, keep: bool = False):
+    """fprop: ``Y = Q(X) @ Q(W)^T + bias`` per group on backend ``be`` (with
+    ``recipe.forward_override``: ``X @ W^T + bias`` in ``out_dtype``, ``high_precision.fprop``,
+    the copies for backward quantized as usual).
+
+    Args:
+        layout: :class:`Dense` or :class:`Grouped`, which gives the shapes of x, w and bias.
+        signs: (16,) RHT signs of the wgrad copy X^T.
+        need_wt, need_xt: also quantize W^T for dgrad and X^T for wgrad.
+        wq: W as ``layout.weights`` made it for fprop (``cached_weights``), or None to quantize
+            ``w`` here; only without need_wt.
+        keep: also return fprop's operands (X as codes) as ``reference.dequantize`` takes them,
+            for a dequantized backward.
+    Returns:
+        (Y of ``out_dtype``, zeros past the last group; W^T or None; X^T or None; (X, W) or None):
+        the copies backward keeps, as codes.
+    """
+    cols = GemmRole.X_WGRAD if need_xt else None
+    if recipe.forward_override is not None:
+        wt = layout.weights(be, w, recipe, True, transient=True)[1] if need_wt else None
+        xt = layout.tokens(be, x, recipe, None, cols, signs=signs)[1] if need_xt else None
+        return high_precision.fprop(x.to(out_dtype), w, bias, layout.offs), wt, xt, None
+    wt = None
+    if wq is None:
+        wq, wt = layout.weights(be, w, recipe, need_wt, transient=not keep)
+    xq, xt, _ = layout.tokens(be, x, recipe, GemmRole.X_FPROP, cols, signs=signs,
+                              transient=(not keep, False))
+    y = layout.mm(be, xq, wq, out_dtype, bias)
+    return y, wt, xt, layout.dequantizable(xq, wq) if keep else None
+
+
+def grads(layout, be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand], xt,
+          recipe: NVFP4Recipe, signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
+          dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dgrad and wgrad from dY on backend ``be``.
+
+    dgrad (with W^T): ``dX = Q(dY) @ (W^T)^T``, dY quantized rowwise (SR stream ``seed`` at
+    offset ``SR_OFFSETS[DY_DGRAD]``). wgrad (with X^T): ``dW = Q(dY^T) @ (X^T)^T``, dY^T
+    quantized along the tokens (RHT, SR at offset ``SR_OFFSETS[DY_WGRAD]``). Both copies of dY
+    come from one read; one of the saved operands is prepared for its GEMM in that pass where the
+    backend can (``layout.grad_copies``).
+
+    Returns:
+        (dX of ``dx_dtype`` or None, dW of ``dw_dtype`` or None), shaped as x and w of
+        :func:`fprop`.
+    """
+    rows = GemmRole.DY_DGRAD if wt is not None else None
+    cols = GemmRole.DY_WGRAD if xt is not None else None
+    dyq, dytq, wt, xt = layout.grad_copies(be, dy, recipe, rows, cols, wt, xt, signs, seed)
+    dx = None if dyq is None else layout.mm(be, dyq, wt, dx_dtype)
+    del dyq  # frees dY's copy before the wgrad GEMM
+    dw = None if dytq is None else layout.mm(be, dytq, xt, dw_dtype)
+    return dx, dw
+
+
+class GemmsFn(torch.autograd.Function):
+    """y = x @ W^T + bias under ``layout`` (:class:`Dense` or :class:`Grouped`) with NVFP4 fprop,
+    dgrad and wgrad (:func:`fprop`, :func:`grads`), or the GEMMs the recipe's overrides take out
+    of NVFP4 (``high_precision``). Returns a fresh tensor, never a view, so that in-place ops on
+    it work. Backward keeps W^T and X^T as codes, not the high-precision X."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, signs, sr, recipe: NVFP4Recipe, backend: str,
+                out_dtype: torch.dtype, layout):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        override = recipe.backward_override
+        y, wt, xt, kept = fprop(
+            layout, resolved(backend), x, w, bias, recipe, signs, out_dtype,
+            need_dx and not override, need_dw and not override, keep=override is Override.DEQUANTIZED)
+        # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
+        # backward advances sr_step, which a saved tensor's version check would refuse when the
+        # layer runs twice before one backward (shared weights, a loop over the layer, the
+        # projections of an experts module, whose steps are views of one buffer). The layout
+        # (a grouped one holds the forward's offs, which nothing modifies) is kept with it.
+        ctx.recipe, ctx.backend, ctx.sr, ctx.layout = recipe, backend, sr, layout
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.has_bias = bias is not None
+        if override is not None:
+            ctx.kept_blocks = tuple(op.block for op in kept) if kept else None
+            ctx.save_for_backward(w, *high_precision.saved(override, x, *(kept or (None,) * 2)))
+            return y
+        ctx.w_block = wt.block if wt is not None else None
+        xt, ctx.xt_meta = layout.saved_columns(xt) if xt is not None else (None, None)
+        none3 = (None, None, None)
+        ctx.save_for_backward(signs, *(wt[:3] if wt else none3), *(xt[:3] if xt else none3))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        override, layout = ctx.recipe.backward_override, ctx.layout
+        with torch.autocast(dy.device.type, enabled=False):
+            g = layout.gradient(dy)
+            if override is not None:
+                w, *kept = ctx.saved_tensors
+                x, w = high_precision.restored(override, w, kept, ctx.kept_blocks)
+                dx, dw = high_precision.grads(g, x, w, need_dx, need_dw, ctx.x_dtype, ctx.w_dtype,
+                                              layout.offs)
+            else:
+                dx, dw = _nvfp4_grads(ctx, g, need_dx, need_dw)
+        db = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
+    """dgrad and wgrad in NVFP4 from what :class:`GemmsFn` saved."""
+    signs, *saved = ctx.saved_tensors
+    wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None and need_dx else None
+    xt = None if saved[3] is None or not need_dw else ctx.layout.columns(
+        NVFP4Operand(*saved[3:6]), ctx.xt_meta)
+    return grads(ctx.layout, resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs,
+                 next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype)
