@@ -159,8 +159,9 @@ class Grouped(NamedTuple):
         operand ``rows`` and each x_g^T as operand ``cols`` (each None to skip) by
         ``be.quantize_groups``, SR counters from ``offsets``."""
         return be.quantize_groups(x, self.offs, rows and recipe.spec(rows),
-                                  cols and recipe.spec(cols), seed=seed, row_offset=offsets[0], col_offset=offsets[1],
-                                  signs=signs, transient=transient, prepare=prepare)
+                                  cols and recipe.spec(cols), seed=seed, row_offset=offsets[0],
+                                  col_offset=offsets[1], signs=signs, transient=transient,
+                                  prepare=prepare)
 
     def grad_copies(self, be: Backend, dy: torch.Tensor, recipe: NVFP4Recipe, rows, cols, wt, xt,
                     signs: torch.Tensor, seed: torch.Tensor):

@@ -7,7 +7,7 @@
 
 A backend is the narrow set of primitives of :class:`Backend`, typed with :class:`QuantSpec` and
 :class:`NVFP4Operand`; what a layer does with them (which operand is quantized how, which GEMM
-runs on what) is ``linear.py``'s. :func:`get_backend` resolves "auto" and logs a fallback once.
+runs on what) is ``gemms.py``'s. :func:`get_backend` resolves "auto" and logs a fallback once.
 """
 
 import abc

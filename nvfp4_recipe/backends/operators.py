@@ -1,6 +1,6 @@
 """The compile boundary: every backend primitive is one registered torch operator.
 
-A layer's algorithm (``linear.py``, ``moe.py``) is ordinary Python that torch.compile's Dynamo
+A layer's algorithm (``gemms.py``) is ordinary Python that torch.compile's Dynamo
 traces; the primitives it calls (quantize an operand, prepare a weight, the GEMM, and their grouped
 forms) are where tracing stops. Each primitive of each backend is registered as
 ``nvfp4_recipe::<backend>_<primitive>``:
