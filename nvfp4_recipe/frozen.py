@@ -33,7 +33,9 @@ from .tensor import NVFP4Tensor
 __all__ = ["NVFP4FrozenLinear", "load_frozen", "read_checkpoint", "lora_config", "GEMMS"]
 
 GEMMS = ("nvfp4", "bf16")
-_W_1D = QuantSpec(Block.D1)  # W^T of a 1x16-scaled checkpoint: requantized along N
+# the specs of a checkpoint's weight: 1x16 scales (W^T then requantized along N, as 1d), or
+# 16x16 tile scales (W^T the exact transpose)
+_W_1D, _W_2D = QuantSpec(Block.D1), QuantSpec(Block.D2)
 
 
 def tile_scales(scale: torch.Tensor) -> Optional[torch.Tensor]:
@@ -50,11 +52,11 @@ def tile_scales(scale: torch.Tensor) -> Optional[torch.Tensor]:
 
 def weight_operand(qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.Tensor) -> NVFP4Operand:
     """A checkpoint's weight as an fprop operand: 2d blocks where the 1x16 scales are tile scales
-    (then W^T is its exact transpose), else 1d."""
+    (then W^T is its exact transpose), else 1d; its spec ``QuantSpec(block)`` (per tensor, RN)."""
     tiles = tile_scales(scale)
     if tiles is None:
-        return NVFP4Operand(qdata, scale, outer_scale.reshape(()), Block.D1)
-    return NVFP4Operand(qdata, tiles, outer_scale.reshape(()), Block.D2)
+        return NVFP4Operand(qdata, scale, outer_scale.reshape(()), _W_1D)
+    return NVFP4Operand(qdata, tiles, outer_scale.reshape(()), _W_2D)
 
 
 def _transposed(w: NVFP4Operand) -> NVFP4Operand:
@@ -69,17 +71,17 @@ class _FrozenLinearFn(torch.autograd.Function):
     """y (M, N) = x (M, K) @ W^T + bias for a frozen NVFP4 W: fprop, and dgrad in backward."""
 
     @staticmethod
-    def forward(ctx, x, bias, qdata, scale, outer, block, signs, sr, recipe, backend, gemm, y_dtype):
-        w = NVFP4Operand(qdata, scale, outer, block)
+    def forward(ctx, x, bias, qdata, scale, outer, spec, signs, sr, recipe, backend, gemm, y_dtype):
+        w = NVFP4Operand(qdata, scale, outer, spec)
         ctx.save_for_backward(qdata, scale, outer, signs)
-        ctx.block, ctx.sr, ctx.recipe, ctx.backend, ctx.gemm = block, sr, recipe, backend, gemm
+        ctx.spec, ctx.sr, ctx.recipe, ctx.backend, ctx.gemm = spec, sr, recipe, backend, gemm
         ctx.x_dtype = x.dtype
         return _fprop(w, x, bias, signs, recipe, backend, gemm, y_dtype)
 
     @staticmethod
     def backward(ctx, dy):
         qdata, scale, outer, signs = ctx.saved_tensors
-        w = NVFP4Operand(qdata, scale, outer, ctx.block)
+        w = NVFP4Operand(qdata, scale, outer, ctx.spec)
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.gemm == "bf16":
                 dx = (dy @ R.dequantize(w).to(dy.dtype)).to(ctx.x_dtype)
@@ -110,7 +112,9 @@ class NVFP4FrozenLinear(NVFP4Module):
     within each tile (a 2d-trained weight); ``outer_scale`` float32 () decode scale; ``bias``
     (out,) or None; plus the recipe buffers of :class:`layer.NVFP4Module` (the SR stream of dY).
     No high-precision copy of the weight is kept; ``weight`` is an :class:`NVFP4Tensor` view of
-    the buffers (dtype ``dtype``) for code that reads a layer's weight device and dtype (PEFT).
+    the buffers (dtype ``dtype``) for code that reads a layer's weight device and dtype (PEFT);
+    ``spec`` the weight's :class:`QuantSpec` (``QuantSpec(block)``, the operands carry it) and
+    ``block`` its scale layout.
 
     ``gemm``: "nvfp4" runs fprop (X quantized as ``recipe.spec(X_FPROP)``) and dgrad (dY as
     ``DY_DGRAD``, SR from the layer's stream; W^T the exact transpose of tile-scaled weights, else
@@ -133,7 +137,7 @@ class NVFP4FrozenLinear(NVFP4Module):
             self.check_recipe(recipe)
         w = weight_operand(qdata, scale, outer_scale.float())
         self.out_features, self.in_features = qdata.shape[0], 2 * qdata.shape[1]
-        self.dtype, self.gemm, self.block = dtype, gemm, w.block
+        self.dtype, self.gemm, self.spec = dtype, gemm, w.spec
         self.register_buffer("qdata", w.qdata)
         self.register_buffer("scale", w.scale)
         self.register_buffer("outer_scale", w.outer_scale)
@@ -159,15 +163,19 @@ class NVFP4FrozenLinear(NVFP4Module):
         return self
 
     @property
+    def block(self) -> Block:
+        """The weight's scale layout, ``spec.block``."""
+        return self.spec.block
+
+    @property
     def operand(self) -> NVFP4Operand:
-        """The weight as an fprop operand (N, K), blocks along K."""
-        return NVFP4Operand(self.qdata, self.scale, self.outer_scale, self.block)
+        """The weight as an fprop operand (N, K), blocks along K, carrying ``self.spec``."""
+        return NVFP4Operand(self.qdata, self.scale, self.outer_scale, self.spec)
 
     @property
     def weight(self) -> NVFP4Tensor:
         """The frozen weight (out, in) as an NVFP4Tensor (no copy); ``.dequantize()`` for values."""
-        return NVFP4Tensor.from_operand(self.operand, QuantSpec(self.block), self.dtype,
-                                        backend=self.recipe.backend.value)
+        return NVFP4Tensor.from_operand(self.operand, self.dtype, backend=self.recipe.backend.value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -176,7 +184,7 @@ class NVFP4FrozenLinear(NVFP4Module):
         backend = backend_name(self.recipe.backend.value, self.qdata.device)
         y_dtype = out_dtype(x)
         x2 = x.reshape(-1, self.in_features)
-        args = (self.qdata, self.scale, self.outer_scale, self.block, self.rht_signs,
+        args = (self.qdata, self.scale, self.outer_scale, self.spec, self.rht_signs,
                 self.sr_state(), self.recipe, backend, self.gemm, y_dtype)
         with torch.autocast(x.device.type, enabled=False):
             if training(x):

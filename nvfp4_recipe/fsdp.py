@@ -110,7 +110,7 @@ def _quantize_shard(module: nn.Module, shard: torch.Tensor,
     spec = module.recipe.spec(GemmRole.W_FPROP)
     backend = get_backend(module.recipe.backend, shard.device)
     op = backend.quantize(shard, spec, amax_reduce=lambda amax: all_reduce_amax(amax, group))
-    return NVFP4Tensor.from_operand(op, spec, shard.dtype, backend=backend.name)
+    return NVFP4Tensor.from_operand(op, shard.dtype, backend=backend.name)
 
 
 class FP4AllGatherWeight(torch.Tensor):
@@ -194,7 +194,9 @@ class FP4AllGatherWeight(torch.Tensor):
             return None
         qdata, scale = outputs
         w = _GatheredWeight(qdata, scale, metadata.outer_scale, metadata.block, metadata.scaling,
-                            metadata.rounding, param_dtype, False, metadata.backend)
+                            metadata.rounding, param_dtype, False, metadata.backend,
+                            amax_scale=metadata.amax_scale,
+                            four_over_six=metadata.four_over_six)
         return w, outputs
 
 

@@ -277,7 +277,8 @@ class GemmsFn(torch.autograd.Function):
     """y = x @ W^T + bias under ``layout`` (:class:`Dense` or :class:`Grouped`) with NVFP4 fprop,
     dgrad and wgrad (:func:`fprop`, :func:`grads`), or the GEMMs the recipe's overrides take out
     of NVFP4 (``high_precision``). Returns a fresh tensor, never a view, so that in-place ops on
-    it work. Backward keeps W^T and X^T as codes, not the high-precision X."""
+    it work. Backward keeps W^T and X^T as codes with their specs (rebuilt as the operands
+    forward made), not the high-precision X."""
 
     @staticmethod
     def forward(ctx, x, w, bias, signs, sr, recipe: NVFP4Recipe, backend: str,
@@ -295,12 +296,13 @@ class GemmsFn(torch.autograd.Function):
         ctx.recipe, ctx.backend, ctx.sr, ctx.layout = recipe, backend, sr, layout
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.has_bias = bias is not None
+        # a saved operand is its tensors (save_for_backward) and its spec (ctx.specs)
         if override is not None:
-            ctx.kept_blocks = tuple(op.block for op in kept) if kept else None
+            ctx.specs = tuple(op.spec for op in kept) if kept else None
             ctx.save_for_backward(w, *high_precision.saved(override, x, *(kept or (None,) * 2)))
             return y
-        ctx.w_block = wt.block if wt is not None else None
         xt, ctx.xt_meta = layout.saved_columns(xt) if xt is not None else (None, None)
+        ctx.specs = tuple(None if op is None else op.spec for op in (wt, xt))
         none3 = (None, None, None)
         ctx.save_for_backward(signs, *(wt[:3] if wt else none3), *(xt[:3] if xt else none3))
         return y
@@ -313,7 +315,7 @@ class GemmsFn(torch.autograd.Function):
             g = layout.gradient(dy)
             if override is not None:
                 w, *kept = ctx.saved_tensors
-                x, w = high_precision.restored(override, w, kept, ctx.kept_blocks)
+                x, w = high_precision.restored(override, w, kept, ctx.specs)
                 dx, dw = high_precision.grads(g, x, w, need_dx, need_dw, ctx.x_dtype, ctx.w_dtype,
                                               layout.offs)
             else:
@@ -325,10 +327,12 @@ class GemmsFn(torch.autograd.Function):
 
 
 def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
-    """dgrad and wgrad in NVFP4 from what :class:`GemmsFn` saved."""
+    """dgrad and wgrad in NVFP4 from what :class:`GemmsFn` saved: W^T and X^T rebuilt from their
+    codes and specs."""
     signs, *saved = ctx.saved_tensors
-    wt = NVFP4Operand(*saved[0:3], ctx.w_block) if saved[0] is not None and need_dx else None
+    wt_spec, xt_spec = ctx.specs
+    wt = NVFP4Operand(*saved[0:3], wt_spec) if saved[0] is not None and need_dx else None
     xt = None if saved[3] is None or not need_dw else ctx.layout.columns(
-        NVFP4Operand(*saved[3:6]), ctx.xt_meta)
+        NVFP4Operand(*saved[3:6], xt_spec), ctx.xt_meta)
     return grads(ctx.layout, resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs,
                  next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype)

@@ -82,13 +82,13 @@ def _fields(op: NVFP4Operand) -> Tuple[Optional[torch.Tensor], ...]:
     return op.qdata, op.scale, op.outer_scale, op.values
 
 
-def restored(override: Override, weight: torch.Tensor, tensors, blocks) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(X, W) for the overridden backward from what :func:`saved` kept (``blocks``: the block
-    layouts of the saved X and W): the unquantized ones, or the forward's dequantized (float32)."""
+def restored(override: Override, weight: torch.Tensor, tensors, specs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(X, W) for the overridden backward from what :func:`saved` kept (``specs``: the specs of
+    the saved X and W): the unquantized ones, or the forward's dequantized (float32)."""
     if override is Override.HIGH_PRECISION:
         return tensors[0], weight
-    xq = NVFP4Operand(*tensors[0:3], blocks[0], tensors[3])
-    wq = NVFP4Operand(*tensors[4:7], blocks[1], tensors[7])
+    xq = NVFP4Operand(*tensors[0:3], specs[0], tensors[3])
+    wq = NVFP4Operand(*tensors[4:7], specs[1], tensors[7])
     return R.dequantize(xq), R.dequantize(wq)
 
 

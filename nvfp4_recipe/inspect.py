@@ -207,11 +207,11 @@ COUNTS = ("elements", "blocks", "nonzero", "flushed", "saturated", "err", "signa
 
 def _corner(op: NVFP4Operand, rows: int, cols: int) -> NVFP4Operand:
     """The operand's first ``rows`` rows (a multiple of 16 for 2d blocks) and ``cols`` columns (a
-    multiple of 16): whole blocks."""
+    multiple of 16): whole blocks, with its spec."""
     scale_rows = rows // BLOCK if op.block is Block.D2 else rows
     outer = op.outer_scale[:rows] if op.outer_scale.dim() else op.outer_scale
     return NVFP4Operand(op.qdata[:rows, :cols // 2], op.scale[:scale_rows, :cols // BLOCK], outer,
-                        op.block)
+                        op.spec)
 
 
 def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec, max_rows: int = 512,

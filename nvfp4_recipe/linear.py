@@ -231,7 +231,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         spec = self.recipe.spec(GemmRole.W_FPROP)
         with torch.no_grad():
             op = get_backend(backend, self.weight.device).quantize(self.fprop_weight(), spec)
-        return NVFP4Tensor.from_operand(op, spec, self.weight.dtype, backend=backend)
+        return NVFP4Tensor.from_operand(op, self.weight.dtype, backend=backend)
 
     def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
         """Record the NVFP4 operands of this step's GEMMs (:func:`layer.nvfp4_operands`) in
@@ -244,7 +244,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
 
         def keep(t, role, **kw):
             spec = r.spec(role)
-            q = NVFP4Tensor.from_operand(be.quantize(t, spec, signs=signs, **kw), spec, t.dtype,
+            q = NVFP4Tensor.from_operand(be.quantize(t, spec, signs=signs, **kw), t.dtype,
                                          signs if spec.rht else None, backend)
             return rec.keep(t, q, spec)
 

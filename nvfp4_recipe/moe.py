@@ -183,7 +183,7 @@ class NVFP4Experts(NVFP4Module):
         def groups(op, role, hp, transpose=False):
             spec = r.spec(role)
             return [rec.keep(hp[s:e].t() if transpose else hp[s:e],
-                             NVFP4Tensor.from_operand(group_slice(op, g, s, e), spec, hp.dtype,
+                             NVFP4Tensor.from_operand(group_slice(op, g, s, e), hp.dtype,
                                                       signs if spec.rht else None, backend), spec)
                     for g, (s, e) in enumerate(bounds)]
 
@@ -192,7 +192,7 @@ class NVFP4Experts(NVFP4Module):
             if "w" in names:
                 wq = be.quantize_experts(w, spec, need_t=False)[0]
                 record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
-                    expert_slice(wq, g), spec, w.dtype, backend=backend), spec)
+                    expert_slice(wq, g), w.dtype, backend=backend), spec)
                     for g in range(w.shape[0])]
             row = r.spec(GemmRole.X_FPROP) if "x" in names else None
             col = r.spec(GemmRole.X_WGRAD) if "xt" in names else None

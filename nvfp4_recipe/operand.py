@@ -10,11 +10,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .spec import Block
+from .spec import Block, Form, QuantSpec
 
 
 class NVFP4Operand(NamedTuple):
-    """Quantized data of one operand (..., rows, K).
+    """Quantized data of one operand (..., rows, K), with the spec it was quantized under and its
+    form (codes, or inner values) explicit, so what a GEMM used is inspectable as it is.
 
     Fields:
         qdata: uint8 (..., rows, K // 2), two E2M1 codes per byte, the even element in the low
@@ -22,8 +23,13 @@ class NVFP4Operand(NamedTuple):
         scale: float8_e4m3fn block decode scales, (..., rows, K // 16) for Block.D1 or
             (rows // 16, K // 16) for Block.D2; None with qdata.
         outer_scale: float32 outer decode scale S_dec = 1 / min(2688 / amax, FLT_MAX): () per
-            tensor or (..., rows) per token.
-        block: the scale layout, Block.D1 or Block.D2.
+            tensor or (..., rows) per token (a grouped operand's: one per group, see
+            :class:`GroupedOperand`).
+        spec: the :class:`QuantSpec` the operand was quantized under (its block layout, scaling,
+            rounding, RHT, amax scale, 4/6). An operand derived from another (a slice, the exact
+            transpose of 2d codes, its inner values, a view with its outer scales spread over the
+            rows) keeps its spec. Default ``QuantSpec()`` (1x16 blocks, per tensor, RN), for
+            operands built from raw codes.
         values: the inner values (codes x block scales) as float16 (rows, K), exact, when a
             quantize kernel wrote them for a GEMM that uses them at once (no dequantize pass);
             else None.
@@ -32,24 +38,31 @@ class NVFP4Operand(NamedTuple):
     qdata: Optional[torch.Tensor]
     scale: Optional[torch.Tensor]
     outer_scale: torch.Tensor
-    block: Block = Block.D1
+    spec: QuantSpec = QuantSpec()
     values: Optional[torch.Tensor] = None
 
     @property
+    def block(self) -> Block:
+        """The scale layout, ``spec.block``: Block.D1 or Block.D2."""
+        return self.spec.block
+
+    @property
+    def form(self) -> Form:
+        """Form.VALUES when the operand holds fp16 inner values (a GEMM takes them in place of the
+        codes), else Form.CODES."""
+        return Form.CODES if self.values is None else Form.VALUES
+
+    @property
     def rows(self) -> int:
-        return (self.values if self.qdata is None else self.qdata).shape[-2]
+        return (self.qdata if self.form is Form.CODES else self.values).shape[-2]
 
     @property
     def k(self) -> int:
-        return self.values.shape[-1] if self.qdata is None else 2 * self.qdata.shape[-1]
+        return 2 * self.qdata.shape[-1] if self.form is Form.CODES else self.values.shape[-1]
 
     @property
     def device(self) -> torch.device:
         return self.outer_scale.device
-
-    @property
-    def has_codes(self) -> bool:
-        return self.qdata is not None
 
 
 class GroupedOperand(NamedTuple):
@@ -68,7 +81,8 @@ class GroupedOperand(NamedTuple):
       group's x_g^T.
 
     Fields:
-        data: an :class:`NVFP4Operand` (1d blocks) whose ``outer_scale`` is laid out as above.
+        data: an :class:`NVFP4Operand` (1d blocks, carrying the copy's spec) whose
+            ``outer_scale`` is laid out as above.
         offs: int32 (G,) cumulative group ends along the token dimension, on the data's device.
         along_k: the layout, see above.
         per_token: whether the outer scales are per row (per token, or per row of x_g^T).

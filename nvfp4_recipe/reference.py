@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 
 from .operand import NVFP4Operand
-from .spec import Block, FourOverSix, FourOverSixError, QuantSpec, Scaling
+from .spec import Block, FourOverSix, FourOverSixError, Form, QuantSpec, Scaling
 from .formats import (BLOCK, E2M1_MAX, E4M3_MAX, FLT_MAX, e2m1_decode, e2m1_encode_rn,
                       e2m1_floor_code, pack_nibbles, unpack_nibbles)
 
@@ -338,7 +338,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
         rht_signs: (16,) +-1 RHT signs, needed when ``spec.rht``.
         amax_: overrides the amax (scalar or (..., M)); the backends pass the estimate here.
     Returns:
-        :class:`NVFP4Operand` whose ``outer_scale`` is the decode scale S_dec.
+        :class:`NVFP4Operand` (codes) carrying ``spec``, whose ``outer_scale`` is the decode
+        scale S_dec.
     Raises:
         TypeError, ValueError: see :func:`check_input`; ValueError for an RHT without signs.
     """
@@ -367,7 +368,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
         codes = round_sr(v, sr_bits(seed, offset, v.shape, device=v.device))
     else:
         codes = e2m1_encode_rn(v)
-    return NVFP4Operand(pack_nibbles(codes), scale, s_dec, spec.block)
+    return NVFP4Operand(pack_nibbles(codes), scale, s_dec, spec)
 
 
 def operand_amax(x: torch.Tensor, spec: QuantSpec,
@@ -405,7 +406,7 @@ def dequantize_inner(op: NVFP4Operand) -> torch.Tensor:
 def dequantize(op: NVFP4Operand) -> torch.Tensor:
     """Dequantize to float32 (..., M, K): codes * block scale * outer scale (or, for an operand
     holding inner values, values * outer scale)."""
-    inner = op.values.float() if op.values is not None else dequantize_inner(op)
+    inner = op.values.float() if op.form is Form.VALUES else dequantize_inner(op)
     outer = op.outer_scale
     return inner * (outer[..., None] if outer.dim() else outer)
 
@@ -413,7 +414,8 @@ def dequantize(op: NVFP4Operand) -> torch.Tensor:
 def transpose_2d(op: NVFP4Operand) -> NVFP4Operand:
     """The exact transpose of a 2d-quantized (M, K) operand, as a (K, M) operand packed along M.
 
-    Codes and block scales are moved, not requantized: dequantize(transpose) == dequantize(x).T.
+    Codes and block scales are moved, not requantized: dequantize(transpose) == dequantize(x).T;
+    the transpose keeps the operand's spec.
 
     Raises:
         ValueError: the operand does not have 2d blocks (a 1d operand's blocks would run along
@@ -422,7 +424,7 @@ def transpose_2d(op: NVFP4Operand) -> NVFP4Operand:
     if op.block is not Block.D2:
         raise ValueError("only a 2d-blocked operand has an exact transpose; quantize x.t() instead")
     codes = unpack_nibbles(op.qdata).t().contiguous()
-    return NVFP4Operand(pack_nibbles(codes), op.scale.t().contiguous(), op.outer_scale, Block.D2)
+    return NVFP4Operand(pack_nibbles(codes), op.scale.t().contiguous(), op.outer_scale, op.spec)
 
 
 def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
@@ -440,8 +442,8 @@ def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] 
     Raises:
         ValueError: if the K dimensions differ.
     """
-    a_inner = dequantize_inner(a) if a.values is None else a.values.float()
-    b_inner = dequantize_inner(b) if b.values is None else b.values.float()
+    a_inner = dequantize_inner(a) if a.form is Form.CODES else a.values.float()
+    b_inner = dequantize_inner(b) if b.form is Form.CODES else b.values.float()
     if a_inner.shape[-1] != b_inner.shape[-1]:
         raise ValueError(f"K mismatch: A is {tuple(a_inner.shape)}, B is {tuple(b_inner.shape)}")
     return apply_outer_scales(a_inner @ b_inner.t(), a.outer_scale, b.outer_scale, bias, out_dtype)

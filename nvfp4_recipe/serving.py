@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+from dataclasses import replace
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -85,7 +86,8 @@ def fprop_weight_1x16(layer: NVFP4Linear) -> Tuple[NVFP4Operand, torch.Tensor]:
 
     Returns:
         (operand, s_enc): codes uint8 (N, K/2), float8_e4m3fn scales (N, K/16) (a 16x16 tile's
-        scale repeated on its 16 rows), outer (decode) scale float32 (); and the float32 ()
+        scale repeated on its 16 rows), outer (decode) scale float32 (), its spec W's with 1d
+        blocks (the same codes and scales, laid out 1x16); and the float32 ()
         encode scale ``S_enc = min(2688 / amax(W), FLT_MAX)`` with ``1 / S_enc`` = the outer scale.
     """
     with torch.no_grad():
@@ -94,7 +96,7 @@ def fprop_weight_1x16(layer: NVFP4Linear) -> Tuple[NVFP4Operand, torch.Tensor]:
     scale = op.scale
     if op.block is Block.D2:  # float8 has no repeat_interleave: repeat its bits
         scale = scale.view(torch.uint8).repeat_interleave(BLOCK, dim=0).view(torch.float8_e4m3fn)
-    return NVFP4Operand(op.qdata, scale, op.outer_scale, Block.D1), s_enc
+    return NVFP4Operand(op.qdata, scale, op.outer_scale, replace(op.spec, block=Block.D1)), s_enc
 
 
 def _layer_tensors(fmt: str, layer: NVFP4Linear, input_amax: Optional[torch.Tensor]

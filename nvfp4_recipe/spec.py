@@ -1,5 +1,5 @@
-"""How one GEMM operand is quantized: a frozen, typed spec, the five operand roles of a linear, and
-the names of the backends that run them.
+"""How one GEMM operand is quantized: a frozen, typed spec, the form a quantized operand holds, the
+five operand roles of a linear, and the names of the backends that run them.
 
 A leaf module (no package imports): the recipe builds specs, the layer hands them to a backend, the
 backend to the kernels, unchanged. The enums take their user-facing strings as values, so
@@ -47,6 +47,15 @@ class Block(_StrEnum):
 
     D1 = "1d"
     D2 = "2d"
+
+
+class Form(_StrEnum):
+    """What an operand holds (``NVFP4Operand.form``): packed E2M1 codes with their E4M3 block
+    scales, or the float16 inner values (codes times block scales, exact) a quantize kernel wrote
+    for a GEMM that uses them at once."""
+
+    CODES = "codes"
+    VALUES = "values"
 
 
 class Scaling(_StrEnum):

@@ -20,7 +20,7 @@ from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe, _is_int, parse_signs
-from .spec import Block, FourOverSix, QuantSpec
+from .spec import FourOverSix, FourOverSixError, Form, QuantSpec
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,8 +92,11 @@ class NVFP4Tensor(TorchAOBaseTensor):
         rht_signs: (16,) float32 signs if the data holds RHT(x) along K, else None.
     Attributes: ``block`` ("1d"/"2d"), ``scaling``, ``rounding`` ("rn"/"sr"), ``orig_dtype`` (the
     logical dtype), ``transposed``: True for the view ``t()`` of a quantized (M, K) tensor, whose
-    logical shape is (K, M) while the blocks still run along the stored last dimension, and
-    ``backend``: the backend name its matmuls run on ("auto", "reference", "triton", "native").
+    logical shape is (K, M) while the blocks still run along the stored last dimension,
+    ``backend``: the backend name its matmuls run on ("auto", "reference", "triton", "native"),
+    and the spec's other fields ``amax_scale`` (None or a float) and ``four_over_six`` (None or a
+    ``FourOverSix``). ``spec`` is the whole :class:`QuantSpec` the data was quantized under, and
+    ``operand`` the stored data as an :class:`NVFP4Operand` carrying it.
 
     Build one with :meth:`from_hp`; inspect it with ``repr``; get a dense tensor with
     :meth:`dequantize`. ``t.to(device)`` keeps it NVFP4; ``t.to(dtype)`` changes only the logical
@@ -118,9 +121,10 @@ class NVFP4Tensor(TorchAOBaseTensor):
     tensor_data_names = ["qdata", "scale", "outer_scale"]
     tensor_attribute_names = ["block", "scaling", "rounding", "orig_dtype", "transposed", "backend"]
     optional_tensor_data_names = ["rht_signs"]
+    optional_tensor_attribute_names = ["amax_scale", "four_over_six"]
 
     def __new__(cls, qdata, scale, outer_scale, block, scaling, rounding, orig_dtype, transposed,
-                backend="auto", rht_signs=None):
+                backend="auto", rht_signs=None, amax_scale=None, four_over_six=None):
         shape = list(qdata.shape[:-1]) + [qdata.shape[-1] * 2]
         if transposed:
             shape[-2], shape[-1] = shape[-1], shape[-2]
@@ -128,7 +132,7 @@ class NVFP4Tensor(TorchAOBaseTensor):
                                                    device=qdata.device, requires_grad=False)
 
     def __init__(self, qdata, scale, outer_scale, block, scaling, rounding, orig_dtype, transposed,
-                 backend="auto", rht_signs=None):
+                 backend="auto", rht_signs=None, amax_scale=None, four_over_six=None):
         self.qdata = qdata
         self.scale = scale
         self.outer_scale = outer_scale
@@ -139,6 +143,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
         self.transposed = transposed
         self.backend = backend
         self.rht_signs = rht_signs
+        self.amax_scale = amax_scale
+        self.four_over_six = four_over_six
 
     # ------------------------------------------------------------------ construction / export
     @classmethod
@@ -200,20 +206,41 @@ class NVFP4Tensor(TorchAOBaseTensor):
             signs = _signs_on(x.device, tuple(parse_signs(rht_signs, "from_hp: rht_signs"))
                               if rht_signs is not None else None)
         op = get_backend(backend, x.device).quantize(x, spec, seed=seed, offset=offset, signs=signs)
-        return cls.from_operand(op, spec, x.dtype, signs, backend)
+        return cls.from_operand(op, x.dtype, signs, backend)
 
     @classmethod
-    def from_operand(cls, op: NVFP4Operand, spec: QuantSpec, orig_dtype: torch.dtype,
+    def from_operand(cls, op: NVFP4Operand, orig_dtype: torch.dtype,
                      rht_signs: Optional[torch.Tensor] = None, backend: str = "auto") -> "NVFP4Tensor":
-        """Wrap an operand with codes that a backend quantized under ``spec`` (how NVFP4Linear
-        hands out what it used); ``rht_signs`` when the codes hold the RHT of the data."""
+        """Wrap an operand with codes (how NVFP4Linear hands out what it used), under the spec it
+        carries (``op.spec``); ``rht_signs``, the (16,) signs, when the codes hold the RHT of the
+        data (``op.spec.rht``). No copy: the tensor holds the operand's tensors.
+
+        Raises:
+            ValueError: ``op`` holds inner values, not codes (``op.form``), or ``rht_signs`` is
+                given without ``op.spec.rht`` or missing with it.
+        """
+        spec = op.spec
+        if op.form is not Form.CODES:
+            raise ValueError(f"from_operand: an NVFP4Tensor holds codes; the operand holds "
+                             f"{op.form} (quantize it with transient=False)")
+        if spec.rht != (rht_signs is not None):
+            raise ValueError(f"from_operand: the operand's spec has rht={spec.rht}, but rht_signs "
+                             f"is {'None' if rht_signs is None else 'given'}")
         return cls(op.qdata, op.scale, op.outer_scale, spec.block.value, spec.scaling.value,
-                   spec.rounding.value, orig_dtype, False, backend, rht_signs)
+                   spec.rounding.value, orig_dtype, False, backend, rht_signs, spec.amax_scale,
+                   spec.four_over_six)
+
+    @property
+    def spec(self) -> QuantSpec:
+        """The :class:`QuantSpec` the data was quantized under."""
+        return QuantSpec(self.block, self.scaling, self.rounding, self.rht_signs is not None,
+                         self.amax_scale, self.four_over_six)
 
     @property
     def operand(self) -> NVFP4Operand:
-        """The stored data as an :class:`NVFP4Operand` (blocks along the stored last dimension)."""
-        return NVFP4Operand(self.qdata, self.scale, self.outer_scale, Block(self.block))
+        """The stored data as an :class:`NVFP4Operand` (codes, blocks along the stored last
+        dimension) carrying :attr:`spec`."""
+        return NVFP4Operand(self.qdata, self.scale, self.outer_scale, self.spec)
 
     def dequantize(self, output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The dense tensor (in the RHT domain if the data went through the RHT), logical shape.
@@ -233,7 +260,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
                            self.scale if scale is None else scale,
                            self.outer_scale if outer_scale is None else outer_scale,
                            kw["block"], kw["scaling"], kw["rounding"], kw["orig_dtype"],
-                           kw["transposed"], kw["backend"], self.rht_signs)
+                           kw["transposed"], kw["backend"], self.rht_signs, self.amax_scale,
+                           self.four_over_six)
 
     def gemm_operand(self) -> NVFP4Operand:
         """This tensor as a GEMM operand with blocks along its logical reduction dim (the last).
@@ -260,7 +288,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
     def __reduce_ex__(self, protocol):
         """Pickle as its plain tensors and attributes, the block scales as their bits: plain
         pickle cannot load a float8 tensor (torch 2.13 pickles its storage without the dtype)."""
-        names = self.tensor_attribute_names + self.optional_tensor_data_names
+        names = (self.tensor_attribute_names + self.optional_tensor_data_names
+                 + self.optional_tensor_attribute_names)
         return _from_pickle, (self.qdata, self.scale.view(torch.uint8), self.outer_scale,
                               *(getattr(self, name) for name in names))
 
@@ -539,4 +568,5 @@ def _from_pickle(qdata, scale_bits, outer_scale, *attributes) -> NVFP4Tensor:
     return NVFP4Tensor(qdata, scale_bits.view(torch.float8_e4m3fn), outer_scale, *attributes)
 
 
-torch.serialization.add_safe_globals([NVFP4Tensor, _from_pickle])
+# the spec fields an NVFP4Tensor holds besides strings: a 4/6 setting
+torch.serialization.add_safe_globals([NVFP4Tensor, _from_pickle, FourOverSix, FourOverSixError])

@@ -12,7 +12,9 @@ import nvfp4_recipe.backends as B
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.backends.reference import ReferenceBackend
-from nvfp4_recipe.spec import Block
+from nvfp4_recipe.kernels.runtime import inner_values_supported
+from nvfp4_recipe.operand import NVFP4Operand
+from nvfp4_recipe.spec import Block, FourOverSix, Form, QuantSpec
 
 from nvfp4_cases import (PAIR_IDS, assert_inner_equals, assert_same, idfn, rand, recipe_pairs,
                          signs_for, spec, triton_backend)
@@ -140,3 +142,57 @@ def test_auto_picks_triton_on_every_gpu_and_native_is_opt_in(monkeypatch, caplog
     assert [r.getMessage() for r in caplog.records if "untested" in r.getMessage()] == [
         caplog.records[0].getMessage()]
     assert "Blackwell" in caplog.text
+
+
+def _primitive_operands(be, x, w, w3, offs, signs, specs):
+    """(primitive, operand, spec it was quantized under, whether it may come back as inner
+    values) for every operand ``be``'s primitives return."""
+    dense, row, col, w2d, experts = specs
+    kw = dict(seed=5, signs=signs)
+    q = be.quantize(x, dense, **kw)
+    wq, wtq = be.prepare_weight(w, w2d, need_t=True)
+    r, c, bp = be.quantize_pair(x, row, col, **kw, transient=(True, False), prepare=wtq)
+    gr, gc, gp = be.quantize_groups(x, offs, row, col, **kw, transient=(True, False),
+                                    prepare=be.quantize_experts(w3, experts, need_t=True)[1])
+    eq, etq = be.quantize_experts(w3, experts, need_t=True)
+    return [("quantize", q, dense, False), ("prepare_weight", wq, w2d, True),
+            ("prepare_weight_t", wtq, w2d, False), ("prepare", be.prepare(wtq), w2d, True),
+            ("quantize_pair_row", r, row, True), ("quantize_pair_col", c, col, False),
+            ("quantize_pair_prepared", bp, w2d, True), ("quantize_groups_row", gr.data, row, True),
+            ("quantize_groups_col", gc.data, col, False),
+            ("quantize_groups_prepared", gp, experts, True), ("quantize_experts", eq, experts, False),
+            ("quantize_experts_t", etq, experts, False)]
+
+
+@pytest.mark.parametrize("name", ["reference", "triton"])
+def test_operands_carry_their_spec_and_form_across_the_compile_boundary(name):
+    """Every operand a primitive returns carries the spec it was quantized under and says its form
+    (codes, or the inner values a transient or prepared copy may come back as), in eager mode and
+    through the registered operators under torch.compile, with the same bits."""
+    be = get_backend(name, torch.device("cpu"))
+    fos = FourOverSix("mse", 256)
+    specs = (spec(scaling="per_token", rounding="sr", rht=True, amax_scale=1.5),
+             QuantSpec(rounding="sr", four_over_six=fos), spec(rht=True, amax_scale=0.75),
+             QuantSpec(Block.D2, four_over_six=fos), QuantSpec(rounding="sr"))
+    args = (rand((48, 64), seed=1), rand((32, 64), seed=2), rand((2, 32, 64), seed=3),
+            torch.tensor([16, 48], dtype=torch.int32), signs_for())
+    eager = _primitive_operands(be, *args, specs)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: _primitive_operands(be, *a, specs), backend="aot_eager",
+                             fullgraph=True)(*args)
+    for (what, op, sp, may_be_values), (_, got, _, _) in zip(eager, compiled):
+        assert isinstance(got, NVFP4Operand) and got.spec == op.spec == sp, what
+        assert got.block is sp.block and got.form is op.form, what
+        if op.form is Form.CODES:
+            assert op.qdata is not None and op.values is None, what
+            assert torch.equal(got.qdata, op.qdata) and torch.equal(got.scale.view(torch.uint8),
+                                                                    op.scale.view(torch.uint8))
+        else:
+            assert may_be_values and op.qdata is None and op.scale is None, what
+            assert torch.equal(got.values, op.values), what
+        assert torch.equal(got.outer_scale, op.outer_scale), what
+    forms = {what: op.form for what, op, _, _ in eager}
+    values = name == "triton" and inner_values_supported(torch.device("cpu"))
+    for what in ("prepare_weight", "quantize_pair_row", "quantize_pair_prepared",
+                 "quantize_groups_row", "quantize_groups_prepared"):
+        assert forms[what] is (Form.VALUES if values else Form.CODES), what

@@ -87,7 +87,8 @@ def random_operand(rows, k, block="1d", per_token=False, device="cpu", gen=None,
     srows = rows // 16 if block == "2d" else rows
     s = torch.exp2(torch.rand(srows, k // 16, generator=gen) * 17.8 - 9).to(torch.float8_e4m3fn)
     outer = (torch.rand(rows if per_token else (), generator=gen) + 0.5) * outer
-    return NVFP4Operand(q.to(device), s.to(device), outer.float().to(device), Block(block))
+    return NVFP4Operand(q.to(device), s.to(device), outer.float().to(device),
+                        QuantSpec(block, "per_token" if per_token else "per_tensor"))
 
 
 def layout_operands(layout: str, m: int, n: int, k: int, scaling: str, device="cpu", gen=None):
@@ -235,8 +236,8 @@ _META = dict(device="meta")
                       torch.zeros(16, 4, **_META).to(torch.float8_e4m3fn), torch.ones((), **_META)),
      ValueError, "B on meta"),
     (_A._replace(qdata=torch.zeros(8, 32, dtype=torch.uint8), scale=torch.zeros(0, 4).to(torch.float8_e4m3fn),
-                 block=Block.D2), _B, ValueError, "2d blocks need rows"),
-    (_A, _B._replace(block="3d"), ValueError, "block must be"),
+                 spec=QuantSpec(Block.D2)), _B, ValueError, "2d blocks need rows"),
+    (_A, _B._replace(spec="3d"), ValueError, "spec must be a QuantSpec"),
     (_A._replace(qdata=None, scale=None), _B, ValueError, "no codes"),
     (_A._replace(values=torch.zeros(32, 64, dtype=torch.bfloat16)), _B, TypeError, "float16"),
     (_A._replace(values=torch.zeros(64, 32, dtype=torch.float16).t()), _B, ValueError, "contiguous"),

@@ -20,7 +20,7 @@ OPERANDS = {"w", "x", "xt", "dy", "dyt"}
 
 
 def _q(x, spec, signs=None):
-    return nr.NVFP4Tensor.from_operand(R.quantize(x, spec, rht_signs=signs, seed=5), spec, x.dtype,
+    return nr.NVFP4Tensor.from_operand(R.quantize(x, spec, rht_signs=signs, seed=5), x.dtype,
                                        signs, "reference")
 
 

@@ -10,7 +10,7 @@ import torch
 from nvfp4_recipe import NVFP4Tensor
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.operand import NVFP4Operand
-from nvfp4_recipe.spec import QuantSpec
+from nvfp4_recipe.spec import Block, FourOverSix, Form, QuantSpec
 
 
 def test_from_hp_fields_match_the_reference():
@@ -233,7 +233,7 @@ def test_from_hp_wants_a_plain_tensor():
 # ---------------------------------------------------------------------------- pickle
 def _fields(t):
     return ([t.qdata, t.scale.view(torch.uint8), t.outer_scale, t.rht_signs],
-            [getattr(t, name) for name in t.tensor_attribute_names] + [t.shape, t.dtype])
+            [getattr(t, name) for name in t.tensor_attribute_names] + [t.shape, t.dtype, t.spec])
 
 
 PICKLED = {
@@ -244,6 +244,8 @@ PICKLED = {
     "rht": lambda: NVFP4Tensor.from_hp(torch.randn(16, 64), rht=True, rht_signs=[1, -1] * 8,
                                        backend="reference").to(torch.float16),
     "row slice": lambda: NVFP4Tensor.from_hp(torch.randn(64, 32), scaling="per_token")[8:40:2],
+    "4/6": lambda: NVFP4Tensor.from_hp(torch.randn(32, 64), block="2d", four_over_six="mse",
+                                       four_over_six_e4m3_max=256),
 }
 
 
@@ -260,10 +262,12 @@ def test_pickle_round_trip(make):
         assert torch.equal(u.dequantize(), t.dequantize())
 
 
-def test_torch_save_loads_old_and_new_checkpoints(monkeypatch):
-    """torch.save goes through ``__reduce_ex__`` too (weights_only load included); a file written
-    with torch.Tensor's reduction (before NVFP4Tensor had its own) still loads."""
-    t = NVFP4Tensor.from_hp(torch.randn(32, 64), scaling="per_token", rht=True)
+@pytest.mark.parametrize("fos", [None, "mae"])
+def test_torch_save_loads_old_and_new_checkpoints(monkeypatch, fos):
+    """torch.save goes through ``__reduce_ex__`` too (weights_only load included, a 4/6 spec's
+    fields too); a file written with torch.Tensor's reduction (before NVFP4Tensor had its own)
+    still loads."""
+    t = NVFP4Tensor.from_hp(torch.randn(32, 64), scaling="per_token", rht=True, four_over_six=fos)
 
     def round_trip():
         buf = io.BytesIO()
@@ -364,3 +368,37 @@ def test_repr_inside_containers_and_of_views():
             assert word in text
     w = NVFP4Tensor.from_hp(torch.randn(32, 16), block="2d").t()
     assert "transposed view" in repr(w) and "values[:8, 0]=" in repr(w) and "16x16" in repr(w)
+
+
+# ---------------------------------------------------------------------------- the operand's spec
+def test_operand_and_spec_round_trip_through_from_operand():
+    """from_operand reads the spec from the operand; ``spec`` and ``operand`` give it back whole
+    (amax scale and 4/6 included), through views, slices and moves."""
+    fos = FourOverSix("mse", 256, True)
+    x, signs = torch.randn(32, 64), R.random_signs(torch.Generator().manual_seed(1))
+    for sp, rht_signs in ((QuantSpec(Block.D2, rounding="sr", amax_scale=1.25, four_over_six=fos), None),
+                          (QuantSpec(scaling="per_token", rht=True), signs)):
+        op = R.quantize(x, sp, seed=3, rht_signs=rht_signs)
+        t = NVFP4Tensor.from_operand(op, torch.bfloat16, rht_signs, "reference")
+        assert t.spec == sp and t.operand.spec == sp and t.operand.form is Form.CODES
+        assert t.block == sp.block.value and t.scaling == sp.scaling.value
+        assert t.rounding == sp.rounding.value and t.amax_scale == sp.amax_scale
+        assert t.four_over_six == sp.four_over_six
+        assert torch.equal(t.operand.qdata, op.qdata) and t.operand.qdata is op.qdata
+        for u in (t.t(), t[16:32], t.to(torch.float32), t.detach(), t.clone()):
+            assert u.spec == sp
+        if sp.block is Block.D2:
+            assert R.transpose_2d(t.operand).spec == sp
+
+
+def test_from_operand_checks_form_and_signs():
+    op = R.quantize(torch.randn(16, 32), QuantSpec(rht=True),
+                    rht_signs=R.random_signs(torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="rht=True, but rht_signs is None"):
+        NVFP4Tensor.from_operand(op, torch.float32)
+    with pytest.raises(ValueError, match="rht=False, but rht_signs is given"):
+        NVFP4Tensor.from_operand(op._replace(spec=QuantSpec()), torch.float32, torch.ones(16))
+    values = op._replace(qdata=None, scale=None, values=R.dequantize_inner(op).half())
+    assert values.form is Form.VALUES and values.rows == 16 and values.k == 32
+    with pytest.raises(ValueError, match="holds codes; the operand holds values"):
+        NVFP4Tensor.from_operand(values, torch.float32)

@@ -39,7 +39,9 @@ class Backend(abc.ABC):
     quantization and the reference's GEMM up to fp32 accumulation order.
 
     Operand convention: an operand is an :class:`NVFP4Operand` of a (rows, K) matrix with its blocks
-    along K, so every GEMM is ``A @ B^T``. Seeds and offsets may be ints or device int64 scalars
+    along K, so every GEMM is ``A @ B^T``. Every operand a primitive returns carries the spec it
+    was quantized under (``NVFP4Operand.spec``; a prepared operand keeps its own) and says its form
+    (``NVFP4Operand.form``: codes, or the inner values a ``transient`` copy may come back as). Seeds and offsets may be ints or device int64 scalars
     (nothing synchronises with the host). ``amax_reduce`` (:data:`AmaxReduce`, per copy) maps the
     amax an operand's outer scale is computed from to the one used, so that the shards of a
     tensor-parallel operand quantize with the whole tensor's amax.

@@ -14,7 +14,7 @@ import torch
 from .. import reference as R
 from ..formats import BLOCK
 from ..operand import GroupedOperand, NVFP4Operand
-from ..spec import Block, QuantSpec
+from ..spec import Block, Form, QuantSpec
 
 IntOrTensor = R.IntOrTensor
 
@@ -52,22 +52,22 @@ def group_bounds(offs: torch.Tensor) -> Offsets:
 
 def group_slice(op: GroupedOperand, g: int, start: int, end: int) -> NVFP4Operand:
     """Group g of a grouped operand as the dense operand of its tokens (rows [start, end) of a
-    rows-grouped operand, or the (R, end - start) columns of one grouped along K)."""
+    rows-grouped operand, or the (R, end - start) columns of one grouped along K), with its spec."""
     d = op.data
     if op.along_k:
         cols = lambda t, unit: None if t is None else t[:, start // unit:end // unit]
         outer = d.outer_scale[g]
-        return NVFP4Operand(cols(d.qdata, 2), cols(d.scale, BLOCK), outer, Block.D1,
+        return NVFP4Operand(cols(d.qdata, 2), cols(d.scale, BLOCK), outer, d.spec,
                             cols(d.values, 1))
     rows = lambda t: None if t is None else t[start:end]
     outer = d.outer_scale[start:end] if op.per_token else d.outer_scale[g]
-    return NVFP4Operand(rows(d.qdata), rows(d.scale), outer, Block.D1, rows(d.values))
+    return NVFP4Operand(rows(d.qdata), rows(d.scale), outer, d.spec, rows(d.values))
 
 
 def expert_slice(op: NVFP4Operand, g: int) -> NVFP4Operand:
-    """Expert g of a stacked (G, N, K) expert operand."""
+    """Expert g of a stacked (G, N, K) expert operand, with its spec."""
     return NVFP4Operand(None if op.qdata is None else op.qdata[g],
-                        None if op.scale is None else op.scale[g], op.outer_scale[g], op.block,
+                        None if op.scale is None else op.scale[g], op.outer_scale[g], op.spec,
                         None if op.values is None else op.values[g])
 
 
@@ -167,7 +167,7 @@ def _per_group(x, bounds, spec, transpose, seed, base, signs):
 
 def expert_rows(b: NVFP4Operand) -> int:
     """N of a stacked (G, N, K) expert operand, codes or inner values."""
-    return (b.values if b.qdata is None else b.qdata).shape[1]
+    return (b.values if b.form is Form.VALUES else b.qdata).shape[1]
 
 
 def check_experts(w: torch.Tensor, spec: QuantSpec) -> None:
@@ -186,11 +186,11 @@ def check_experts(w: torch.Tensor, spec: QuantSpec) -> None:
 
 
 def _stack(ops, device) -> NVFP4Operand:
-    """Per-expert operands stacked along a new first dimension (outer scales (G,))."""
+    """Per-expert operands (of one spec) stacked along a new first dimension (outer scales (G,))."""
     if not ops:
         raise ValueError("no experts: expert weights need G >= 1")
     return NVFP4Operand(torch.stack([o.qdata for o in ops]), torch.stack([o.scale for o in ops]),
-                        torch.stack([o.outer_scale for o in ops]), ops[0].block)
+                        torch.stack([o.outer_scale for o in ops]), ops[0].spec)
 
 
 def _assemble_rows(x, offs, bounds, spec, parts) -> GroupedOperand:
@@ -204,7 +204,7 @@ def _assemble_rows(x, offs, bounds, spec, parts) -> GroupedOperand:
         qdata[s:e], scale[s:e] = p.qdata, p.scale
         if spec.per_token:
             outer[s:e] = p.outer_scale
-    return GroupedOperand(NVFP4Operand(qdata, scale, outer), offs, False, spec.per_token)
+    return GroupedOperand(NVFP4Operand(qdata, scale, outer, spec), offs, False, spec.per_token)
 
 
 def _assemble_cols(x, offs, bounds, spec, parts) -> GroupedOperand:
@@ -217,7 +217,7 @@ def _assemble_cols(x, offs, bounds, spec, parts) -> GroupedOperand:
     shape = (0, k) if spec.per_token else (0,)
     outer = torch.stack([p.outer_scale for p in parts]) if parts else \
         torch.zeros(shape, dtype=torch.float32, device=x.device)
-    return GroupedOperand(NVFP4Operand(qdata, scale, outer), offs, True, spec.per_token)
+    return GroupedOperand(NVFP4Operand(qdata, scale, outer, spec), offs, True, spec.per_token)
 
 
 def _fake_groups(x: torch.Tensor, offs: torch.Tensor, spec: QuantSpec, along_k: bool) -> GroupedOperand:
@@ -231,7 +231,7 @@ def _fake_groups(x: torch.Tensor, offs: torch.Tensor, spec: QuantSpec, along_k: 
         outer = (n_groups,)
     data = NVFP4Operand(x.new_empty(rows, cols // 2, dtype=torch.uint8),
                         x.new_empty(rows, cols // BLOCK, dtype=torch.float8_e4m3fn),
-                        x.new_empty(outer, dtype=torch.float32))
+                        x.new_empty(outer, dtype=torch.float32), spec)
     return GroupedOperand(data, offs, along_k, spec.per_token)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..formats import BLOCK
 from ..operand import GroupedOperand, NVFP4Operand
 from ..reference import apply_outer_scales
-from ..spec import Block
+from ..spec import Block, Form
 from . import Backend, register_backend, resolved, warn_once
 from . import grouped as G
 from . import triton as _triton  # noqa: F401  (registers the Triton backend, which quantizes groups)
@@ -139,7 +139,7 @@ def native_unsupported(a: GroupedOperand, b, out_dtype: torch.dtype) -> str:
         return "per-token outer scales cannot be one global scale per group"
     if out_dtype != torch.bfloat16:
         return f"scaled_grouped_mm returns bfloat16 only, {out_dtype} was asked"
-    if a.data.qdata is None or b.qdata is None:
+    if Form.VALUES in (a.data.form, b.form):
         return "an operand holds inner values, not codes"
     if a.data.k % 32:
         return f"K = {a.data.k} is not a multiple of 32"

@@ -15,9 +15,9 @@ forms) are where tracing stops. Each primitive of each backend is registered as
 In eager mode a call goes straight to the Python implementation: no dispatcher on the hot path.
 
 The operators take a flat list of tensors and one string ``key``: the ``repr`` of the call's
-structure (operands as :class:`NVFP4Operand` / :class:`GroupedOperand`, specs, enums, dtypes and
-plain values), which Dynamo folds to a constant while tracing, so the layer's Python passes its
-typed values unchanged and nothing is written per primitive by hand. The structure of the result
+structure (operands as :class:`NVFP4Operand` / :class:`GroupedOperand`, each with its spec,
+specs, enums, dtypes and plain values), which Dynamo folds to a constant while tracing, so the
+layer's Python passes its typed values unchanged and nothing is written per primitive by hand. The structure of the result
 is recorded by the body (or fake) the first time a key runs and read back while tracing.
 """
 

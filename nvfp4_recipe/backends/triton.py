@@ -30,7 +30,7 @@ from ..kernels.dequantize import dequantize_inner
 from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
 from ..kernels.runtime import inner_values_supported, interpreting
 from ..operand import NVFP4Operand
-from ..spec import Block, QuantSpec
+from ..spec import Block, Form, QuantSpec
 from ..streams import SideStream
 from . import AmaxReduce, Backend, IntOrTensor, quantize_each, register_backend, warn_once
 from . import grouped as BG
@@ -184,7 +184,8 @@ class TritonBackend(Backend):
         BG.check_quantize_args(x, row, col, signs)
         supported = inner_values_supported(x.device)
         inner = transient if supported else (False, False)
-        ride = prepare is not None and prepare.values is None and col is not None and supported
+        ride = (prepare is not None and prepare.form is Form.CODES and col is not None
+                and supported)
         rider = None
         if ride:
             n_groups, rows, half = prepare.qdata.shape
@@ -214,7 +215,7 @@ class TritonBackend(Backend):
 
     def _dequantized(self, b: NVFP4Operand) -> NVFP4Operand:
         """b with its fp16 inner values in place of its codes (where the GEMM takes them)."""
-        if b.values is not None or not inner_values_supported(b.device):
+        if b.form is Form.VALUES or not inner_values_supported(b.device):
             return b
         return b._replace(qdata=None, scale=None, values=dequantize_inner(b, torch.float16))
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..operand import NVFP4Operand
-from ..spec import Block
+from ..spec import Block, QuantSpec
 from .runtime import Launcher, cdiv, check_runnable, interpreting, ptx_dequant
 
 BLOCK = 16
@@ -177,23 +177,22 @@ def check_outer(name: str, outer: torch.Tensor, rows: int, device: torch.device)
 
 
 def check_codes(name: str, op: NVFP4Operand, outer: bool = True) -> NVFP4Operand:
-    """Validate an operand's codes, block scales and (``outer``) outer scale; returns it with qdata
-    viewed as uint8, the block as a :class:`Block` and the outer scale contiguous. With ``outer``
-    False the outer scale is neither checked nor needed (a dequantize to inner values).
+    """Validate an operand's codes, block scales, spec and (``outer``) outer scale; returns it with
+    qdata viewed as uint8 and the outer scale contiguous. With ``outer`` False the outer scale is
+    neither checked nor needed (a dequantize to inner values).
 
     Raises:
         TypeError: qdata not uint8/float4_e2m1fn_x2, scale not float8_e4m3fn, outer not float32.
-        ValueError: no codes, wrong ranks or shapes, K or (2d) rows not multiples of 16, a
-            unit-stride last dimension missing, an unknown block kind, or tensors on different
-            devices.
+        ValueError: no codes, a spec that is not a :class:`QuantSpec`, wrong ranks or shapes, K
+            or (2d) rows not multiples of 16, a unit-stride last dimension missing, or tensors on
+            different devices.
     """
     qdata, scale = op.qdata, op.scale
     if qdata is None or scale is None:
         raise ValueError(f"{name}: the operand has no codes and block scales")
-    try:
-        block = Block(op.block)
-    except ValueError:
-        raise ValueError(f"{name}: block must be '1d' or '2d', got {op.block!r}") from None
+    if not isinstance(op.spec, QuantSpec):
+        raise ValueError(f"{name}: spec must be a QuantSpec, got {op.spec!r}")
+    block = op.block
     if qdata.dtype == getattr(torch, "float4_e2m1fn_x2", None):
         qdata = qdata.view(torch.uint8)
     if qdata.dtype != torch.uint8:
@@ -220,7 +219,7 @@ def check_codes(name: str, op: NVFP4Operand, outer: bool = True) -> NVFP4Operand
             raise ValueError(f"{name}: {what} is on {t.device}, qdata on {qdata.device}")
     if outer:
         op = op._replace(outer_scale=check_outer(name, op.outer_scale, rows, qdata.device))
-    return op._replace(qdata=qdata, block=block)
+    return op._replace(qdata=qdata)
 
 
 DEQUANT_CONFIG = dict(BR=32, BK=256, num_warps=4)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..operand import NVFP4Operand
+from ..spec import Form
 from .dequantize import BLOCK, check_codes, check_outer, dequantize_valid
 from .runtime import Launcher, capability, cdiv, check_runnable, interpreting, num_sms
 
@@ -254,9 +255,9 @@ def check_operand(name: str, op: NVFP4Operand) -> NVFP4Operand:
         TypeError: values not float16 (or the codes' dtypes, see ``check_codes``), outer not fp32.
         ValueError: shapes, strides, devices as above.
     """
-    v = op.values
-    if v is None:
+    if op.form is Form.CODES:
         return check_codes(name, op)
+    v = op.values
     if v.dtype != torch.float16:
         raise TypeError(f"{name}: inner values must be float16, got {v.dtype}")
     if v.dim() != 2 or v.shape[1] % BLOCK:
@@ -293,7 +294,7 @@ def _empty_product(a_outer, b_outer, m: int, n: int, bias, out_dtype) -> torch.T
 
 def inner_values(op: NVFP4Operand) -> torch.Tensor:
     """The fp16 inner values of a validated operand: its own, or one dequantize pass of its codes."""
-    return op.values if op.values is not None else dequantize_valid(op, torch.float16)
+    return op.values if op.form is Form.VALUES else dequantize_valid(op, torch.float16)
 
 
 def scaled_mm(a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..operand import GroupedOperand, NVFP4Operand
-from ..spec import Block, QuantSpec
+from ..spec import Block, Form, QuantSpec
 from .amax import _configs as _amax_configs
 from .amax import block_max_bits, check_matrix, rht_block_max_bits
 from .dequantize import dequantize_inner
@@ -348,7 +348,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
             writes into out, as ``quantize.quantize_1d(dequantize=...)`` (only with a columnwise
             copy; the experts' W^T of dgrad rides on dY's pass).
     Returns:
-        (rowwise, columnwise) :class:`GroupedOperand` or None: rowwise data qdata (M, K/2), scale
+        (rowwise, columnwise) :class:`GroupedOperand` or None, whose data carries ``row`` /
+        ``col`` as its spec: rowwise data qdata (M, K/2), scale
         (M, K/16), outer (G,) or (M,); columnwise data qdata (K, M/2), scale (K, M/16), outer (G,)
         or (G, K). Rows past ``offs[-1]`` are left unwritten.
     Raises:
@@ -375,8 +376,9 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if col and col.rht else x
     row_amax, col_amax = amaxes if amaxes is not None else grouped_amax_pass(x, offs, row, col,
                                                                              signs_t)
-    r = empty_copy(m, k, inner[0], (m,) if row.per_token else (n_groups,), dev) if row else None
-    c = empty_copy(k, m, inner[1], (n_groups, k) if col.per_token else (n_groups,), dev) \
+    r = empty_copy(m, k, row, inner[0], (m,) if row.per_token else (n_groups,), dev) \
+        if row else None
+    c = empty_copy(k, m, col, inner[1], (n_groups, k) if col.per_token else (n_groups,), dev) \
         if col else None
     seed_a, seed_p = scalar(seed, dev)
     roff_a, roff_p = scalar(row_offset, dev)
@@ -457,7 +459,8 @@ def quantize_experts(w: torch.Tensor, spec: QuantSpec, *, write_w: bool = True,
         inner: write W as its inner values (codes x block scales, float16, exact) instead of
             codes and scales, for a GEMM that uses W at once (no dequantize pass).
     Returns:
-        (W, W^T) :class:`NVFP4Operand` or None: qdata (G, N, K/2) / (G, K, N/2), scale
+        (W, W^T) :class:`NVFP4Operand` (both carrying ``spec``) or None: qdata (G, N, K/2) /
+        (G, K, N/2), scale
         (G, N/16, K/16) / (G, K/16, N/16) for 2d, (G, N, K/16) / (G, K, N/16) for 1d, outer (G,);
         with ``inner``, W has values (G, N, K) float16 instead.
     Raises:
@@ -480,7 +483,7 @@ def quantize_experts(w: torch.Tensor, spec: QuantSpec, *, write_w: bool = True,
     dev = w.device
     w2 = w.reshape(n_groups * n, k)
     amax = grouped_amax_pass(w2, expert_offsets(n_groups, n, dev), spec, None)[0]
-    wq, wtq, outer = empty_2d((n_groups,), n, k, write_w, write_wt, inner, dev)
+    wq, wtq, outer = empty_2d((n_groups,), n, k, spec, write_w, write_wt, inner, dev)
     seed_a, seed_p = scalar(seed, dev)
     off_a, off_p = scalar(offset, dev)
     grid = lambda meta: (cdiv(n, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]), n_groups)
@@ -503,7 +506,7 @@ def _experts_1d(w, spec, write_w, write_wt, seed, offset, inner):
         offs = expert_offsets(n_groups, rows, t.device)
         op = quantize_grouped(t.reshape(n_groups * rows, cols), offs, spec, seed=seed,
                               row_offset=offset, inner=(inner_, False))[0].data
-        if op.values is not None:
+        if op.form is Form.VALUES:
             return op._replace(values=op.values.reshape(n_groups, rows, cols))
         return op._replace(qdata=op.qdata.reshape(n_groups, rows, cols // 2),
                            scale=op.scale.reshape(n_groups, rows, cols // 16))
@@ -637,16 +640,16 @@ _INTERP_GROUPED_GEMM_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, 
 
 def stacked_codes(op: NVFP4Operand) -> NVFP4Operand:
     """The codes of a stacked per-expert operand (qdata (G, R, C/2)) as one (G R, C) operand with
-    no outer scale, for a dequantize pass of all experts to inner values."""
+    no outer scale (and op's spec), for a dequantize pass of all experts to inner values."""
     n_groups, rows, half = op.qdata.shape
     return NVFP4Operand(op.qdata.reshape(n_groups * rows, half), op.scale.flatten(0, 1), None,
-                        op.block)
+                        op.spec)
 
 
 def expert_inner(op: NVFP4Operand) -> torch.Tensor:
     """The fp16 inner values (G, R, C) of a stacked per-expert operand (qdata (G, R, C/2)): its own,
     or one dequantize pass of all experts as one (G R, C) matrix."""
-    if op.values is not None:
+    if op.form is Form.VALUES:
         return op.values
     n_groups, rows, half = op.qdata.shape
     return dequantize_inner(stacked_codes(op), torch.float16).view(n_groups, rows, 2 * half)
@@ -654,7 +657,7 @@ def expert_inner(op: NVFP4Operand) -> torch.Tensor:
 
 def _inner(op: NVFP4Operand) -> torch.Tensor:
     """The fp16 inner values of a 2-D operand (one dequantize pass unless it has them)."""
-    if op.values is not None:
+    if op.form is Form.VALUES:
         return op.values
     return dequantize_inner(op, torch.float16)
 
@@ -754,7 +757,7 @@ def grouped_scaled_mm(a: GroupedOperand, b: Union[NVFP4Operand, GroupedOperand],
 
 def _rows_args(a: GroupedOperand, a_in, b: NVFP4Operand, out_dtype, dev):
     """(out (T, N), kernel keyword arguments) of fprop/dgrad: A grouped by rows, B (G, N, K) per expert."""
-    held = b.values if b.qdata is None else b.qdata
+    held = b.values if b.form is Form.VALUES else b.qdata
     if a.along_k or held is None or held.dim() != 3:
         raise ValueError("fprop/dgrad take A grouped by rows and B as (G, N, K) expert operands")
     b_in = expert_inner(b)

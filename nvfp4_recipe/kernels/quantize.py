@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..operand import NVFP4Operand
-from ..spec import Block, QuantSpec
+from ..spec import Block, Form, QuantSpec
 from . import amax as A
 from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_tile
 from .four_over_six import candidate_error, candidates, fos_code, four_over_six_scale, pick, tile_sum
@@ -428,22 +428,24 @@ _PAIR, _ROWS, _2D = Launcher(_quantize_1d_kernel), Launcher(_quantize_rows_kerne
 # ----------------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------------
-def empty_copy(rows: int, cols: int, inner: bool, outer_shape: Tuple[int, ...],
+def empty_copy(rows: int, cols: int, spec: QuantSpec, inner: bool, outer_shape: Tuple[int, ...],
                device) -> NVFP4Operand:
-    """The empty output of a 1d copy of ``rows`` rows and ``cols`` columns: codes and scales (the
-    scales as uint8 until the kernel has written them, :func:`_finished`) or, with ``inner``,
-    float16 inner values; an fp32 outer scale of ``outer_shape``."""
+    """The empty output of a 1d copy of ``rows`` rows and ``cols`` columns quantized under
+    ``spec``: codes and scales (the scales as uint8 until the kernel has written them,
+    :func:`_finished`) or, with ``inner``, float16 inner values; an fp32 outer scale of
+    ``outer_shape``."""
     outer = torch.empty(outer_shape, dtype=torch.float32, device=device)
     if inner:
-        return NVFP4Operand(None, None, outer, values=torch.empty(rows, cols, dtype=torch.float16,
-                                                                  device=device))
+        return NVFP4Operand(None, None, outer, spec,
+                            torch.empty(rows, cols, dtype=torch.float16, device=device))
     return NVFP4Operand(torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
-                        torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer)
+                        torch.empty(rows, cols // 16, dtype=torch.uint8, device=device), outer,
+                        spec)
 
 
 def _pointers(q: NVFP4Operand) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q_ptr, s_ptr) arguments of :func:`_quantize_store` for an output."""
-    if q.values is not None:
+    if q.form is Form.VALUES:
         return q.values, q.values
     return q.qdata.view(torch.int64), q.scale
 
@@ -486,7 +488,8 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
             is bound by instruction issue, so the dequantization's memory traffic overlaps its
             arithmetic.
     Returns:
-        (rowwise, columnwise) :class:`NVFP4Operand` or None each: qdata (M, K/2) / (K, M/2) uint8,
+        (rowwise, columnwise) :class:`NVFP4Operand` or None each, carrying ``row`` / ``col`` as
+        its spec: qdata (M, K/2) / (K, M/2) uint8,
         scale (M, K/16) / (K, M/16) float8_e4m3fn, outer scale () or (M,) / (K,) fp32; an
         ``inner`` copy has values (M, K) / (K, M) float16 instead of codes and scales.
     Raises:
@@ -517,8 +520,8 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     rht = bool(row and row.rht or col and col.rht)
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if rht else x
     row_amax, col_amax = amaxes if amaxes is not None else amax_pass(x, row, col, signs_t)
-    r = empty_copy(m, k, inner[0], (m,) if row.per_token else (), dev) if row else None
-    c = empty_copy(k, m, inner[1], (k,) if col.per_token else (), dev) if col else None
+    r = empty_copy(m, k, row, inner[0], (m,) if row.per_token else (), dev) if row else None
+    c = empty_copy(k, m, col, inner[1], (k,) if col.per_token else (), dev) if col else None
     seed_a, seed_p = scalar(seed, dev)
     roff_a, roff_p = scalar(row_offset, dev)
     coff_a, coff_p = scalar(col_offset, dev)
@@ -610,7 +613,7 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
         inner: write W as its inner values (codes x block scales, float16, exact) instead of
             codes and scales, for a GEMM that uses W at once (no dequantize pass).
     Returns:
-        (W, W^T) :class:`NVFP4Operand` (Block.D2) or None: qdata (N, K/2) / (K, N/2), scale
+        (W, W^T) :class:`NVFP4Operand` (both carrying ``spec``) or None: qdata (N, K/2) / (K, N/2), scale
         (N/16, K/16) / (K/16, N/16), shared per-tensor outer scale; W^T equals
         ``reference.transpose_2d(W)``. With ``inner``, W has values (N, K) float16 instead.
     Raises:
@@ -625,7 +628,7 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
     n, k = w.shape
     dev = w.device
     amax_ = amax if amax is not None else A.amax(w, A.TENSOR, A.NONE)[0]
-    wq, wtq, outer = empty_2d((), n, k, write_w, write_wt, inner, dev)
+    wq, wtq, outer = empty_2d((), n, k, spec, write_w, write_wt, inner, dev)
     seed_a, seed_p = scalar(seed, dev)
     off_a, off_p = scalar(offset, dev)
     grid = lambda meta: (cdiv(n, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]))
@@ -638,24 +641,26 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
     return (_finished(wq) if wq else None), (_finished(wtq) if wtq else None)
 
 
-def empty_2d(lead: Tuple[int, ...], n: int, k: int, write_w: bool, write_wt: bool, inner: bool,
+def empty_2d(lead: Tuple[int, ...], n: int, k: int, spec: QuantSpec, write_w: bool,
+             write_wt: bool, inner: bool,
              device) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand], torch.Tensor]:
     """The empty outputs (W, W^T, outer scale) of a 2d quantization of (*lead, N, K) weights
-    (scales as uint8 until the kernel has written them, :func:`_finished`; W as float16 inner
-    values with ``inner``); W and W^T share the fp32 outer scale of shape ``lead``."""
+    under ``spec`` (a Block.D2 spec, which both carry; scales as uint8 until the kernel has
+    written them, :func:`_finished`; W as float16 inner values with ``inner``); W and W^T share
+    the fp32 outer scale of shape ``lead``."""
     outer = torch.empty(lead, dtype=torch.float32, device=device)
     wq = wtq = None
     if write_w and inner:
-        wq = NVFP4Operand(None, None, outer, Block.D2,
+        wq = NVFP4Operand(None, None, outer, spec,
                           torch.empty(*lead, n, k, dtype=torch.float16, device=device))
     elif write_w:
         wq = NVFP4Operand(torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device),
                           torch.empty(*lead, n // 16, k // 16, dtype=torch.uint8, device=device),
-                          outer, Block.D2)
+                          outer, spec)
     if write_wt:
         wtq = NVFP4Operand(torch.empty(*lead, k, n // 2, dtype=torch.uint8, device=device),
                            torch.empty(*lead, k // 16, n // 16, dtype=torch.uint8, device=device),
-                           outer, Block.D2)
+                           outer, spec)
     return wq, wtq, outer
 
 
