@@ -13,40 +13,62 @@ tokens sorted by expert in groups ending at ``offs``: ``quantize_experts``, ``qu
 ``grouped_mm``). A dense layer is one group: both run the same three GEMMs, quantize the same
 operands under the same specs and keep the same operands (as codes) for backward. A new kind of
 layer whose GEMMs map onto other primitives is a new layout with the same methods.
+
+How each operand is quantized (spec, RHT signs, SR stream and counters, the amax reduction of a
+tensor-parallel shard, rowwise / columnwise usage) comes in the pass's quantizers
+(``quantizers.build``, once per forward and once per backward); a layout turns a pair of them into
+the primitive's arguments (:func:`_pair_arguments`).
 """
 
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import high_precision
+from . import high_precision, quantizers
 from . import reference as R
 from .backends import Backend, resolved
 from .backends.grouped import expert_rows
 from .layer import next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
-from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import GemmRole, Override
+from .quantizers import Quantizers, TensorQuantizer, Usage
+from .recipe import NVFP4Recipe
+from .spec import Override
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard
 
 __all__ = ["Dense", "Grouped", "GemmsFn", "fprop", "grads", "weight_operands"]
 
-# where the SR counters of dY's two copies start (the tensor-parallel shift of a shard added)
-_DY_OFFSETS = (SR_OFFSETS[GemmRole.DY_DGRAD], SR_OFFSETS[GemmRole.DY_WGRAD])
-
-
-def weight_operands(be: Backend, weight: torch.Tensor, recipe: NVFP4Recipe, need_wt: bool,
-                    amax_reduce=None) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-    """fprop's W (N, K) and, with ``need_wt``, dgrad's W^T (K, N) (codes): ``be.prepare_weight``
-    of a high-precision ``weight``; a weight that is an :class:`NVFP4Tensor` already (FSDP2's fp4
-    all-gather, ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose
-    (``reference.transpose_2d``: codes and scales moved)."""
+def weight_operands(be: Backend, weight: torch.Tensor, q: TensorQuantizer,
+                    ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+    """fprop's W (N, K) and, with W's columnwise usage (``q.columnwise``), dgrad's W^T (K, N)
+    (codes): ``be.prepare_weight`` of a high-precision ``weight`` under ``q.rowwise`` (its spec and
+    amax reducer); a weight that is an :class:`NVFP4Tensor` already (FSDP2's fp4 all-gather,
+    ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose (``reference.transpose_2d``:
+    codes and scales moved)."""
+    need_t = q.columnwise is not None
     if isinstance(weight, NVFP4Tensor):
         w = weight.operand
-        return be.prepare(w), R.transpose_2d(w) if need_wt else None
-    return be.prepare_weight(weight, recipe.spec(GemmRole.W_FPROP), need_t=need_wt,
-                             amax_reduce=amax_reduce)
+        return be.prepare(w), R.transpose_2d(w) if need_t else None
+    return be.prepare_weight(weight, q.rowwise.spec, need_t=need_t,
+                             amax_reduce=q.rowwise.amax_reduce)
+
+
+def _pair_arguments(q: TensorQuantizer, next_b: Optional[NVFP4Operand]) -> dict:
+    """The arguments of ``Backend.quantize_pair`` / ``quantize_groups`` after x (and offs) for
+    the copies of ``q``: specs, the SR stream and counters, the RHT signs, ``transient`` (a copy
+    used by its GEMM only) and ``prepare`` (``next_b``: a saved operand a later GEMM takes as B);
+    ``amax_reduce`` only where a copy has a reducer (a tensor-parallel shard)."""
+    row, col = q
+    args = dict(row=row and row.spec, col=col and col.spec,
+                seed=row.seed if row else col.seed if col else 0,
+                row_offset=row.offset if row else 0, col_offset=col.offset if col else 0,
+                signs=col.signs if col and col.signs is not None else row and row.signs,
+                transient=(bool(row and row.gemm_only), bool(col and col.gemm_only)),
+                prepare=next_b)
+    reduce = (row and row.amax_reduce, col and col.amax_reduce)
+    if reduce != (None, None):
+        args["amax_reduce"] = reduce
+    return args
 
 
 class Dense(NamedTuple):
@@ -56,53 +78,37 @@ class Dense(NamedTuple):
 
     Fields:
         shard: None, or the tensor-parallel layout of these local shards
-            (:class:`tensor_parallel.TensorParallelShard`): the amaxes of sharded operands are
-            reduced over the group, so each shard is quantized as the whole tensor is, and an SR
-            operand's counters start where the shard's rows start in the whole operand.
+            (:class:`tensor_parallel.TensorParallelShard`), which :func:`quantizers.build` reads:
+            the amaxes of sharded operands are reduced over the group, so each shard is quantized
+            as the whole tensor is, and an SR operand's counters are shifted past the other
+            shards' blocks.
     """
 
     shard: Optional[TensorParallelShard] = None
     offs = None  # one group (``high_precision``'s convention)
 
-    def _reduce(self, recipe: NVFP4Recipe, role: Optional[GemmRole]):
-        """The amax reducer of operand ``role`` of a shard (None: no such copy, or its own
-        amax)."""
-        return role and self.shard.amax_reduce(role, recipe.spec(role))
+    @staticmethod
+    def weights(be: Backend, w: torch.Tensor, q: TensorQuantizer,
+                ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """(W, W^T or None): :func:`weight_operands`, W always ready for :meth:`mm` (a W used by
+        fprop's GEMM only changes nothing)."""
+        return weight_operands(be, w, q)
 
-    def weights(self, be: Backend, w: torch.Tensor, recipe: NVFP4Recipe, need_t: bool,
-                transient: bool) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-        """(W, W^T or None): :func:`weight_operands`, W always ready for :meth:`mm` (``transient``
-        changes nothing)."""
-        return weight_operands(be, w, recipe, need_t, None if self.shard is None else
-                               self._reduce(recipe, GemmRole.W_FPROP))
+    @staticmethod
+    def tokens(be: Backend, x: torch.Tensor, q: TensorQuantizer,
+               next_b: Optional[NVFP4Operand] = None):
+        """(rowwise, columnwise, ``next_b`` made ready or None): x (M, K) quantized by
+        ``q.rowwise`` and x^T (K, M) by ``q.columnwise`` (each None to skip) in
+        ``be.quantize_pair``, which may make ``next_b`` (a saved operand a later :meth:`mm` takes
+        as B) ready in the same pass."""
+        return be.quantize_pair(x, **_pair_arguments(q, next_b))
 
-    def tokens(self, be: Backend, x: torch.Tensor, recipe: NVFP4Recipe, rows: Optional[GemmRole],
-               cols: Optional[GemmRole], *, signs: torch.Tensor, seed=0, offsets=(0, 0),
-               transient=(False, False), prepare: Optional[NVFP4Operand] = None):
-        """(rowwise, columnwise, prepared ``prepare``): x (M, K) quantized as operand ``rows``
-        and x^T (K, M) as operand ``cols`` (each None to skip) by ``be.quantize_pair``, SR
-        counters from ``offsets``."""
-        reduce = (None, None) if self.shard is None else (self._reduce(recipe, rows),
-                                                          self._reduce(recipe, cols))
-        return be.quantize_pair(x, rows and recipe.spec(rows), cols and recipe.spec(cols),
-                                seed=seed, row_offset=offsets[0], col_offset=offsets[1],
-                                signs=signs, transient=transient, prepare=prepare,
-                                amax_reduce=reduce)
-
-    def grad_copies(self, be: Backend, dy: torch.Tensor, recipe: NVFP4Recipe, rows, cols, wt, xt,
-                    signs: torch.Tensor, seed: torch.Tensor):
-        """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (M, N) as operands ``rows`` and ``cols``
-        (SR stream ``seed``), W^T made ready for :meth:`mm` by ``be.prepare`` and X^T in dY's
-        pass. SR counters start at ``SR_OFFSETS``, shifted past the other shards' blocks
-        (``TensorParallelShard.sr_offset``)."""
+    def grad_copies(self, be: Backend, dy: torch.Tensor, q: TensorQuantizer, wt, xt):
+        """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (M, N) by ``q`` (SR counters as
+        :func:`quantizers.build` set them, shifted per tensor-parallel shard), W^T made ready for
+        :meth:`mm` by ``be.prepare`` and X^T, wgrad's B, in dY's pass."""
         wt = None if wt is None else be.prepare(wt)
-        offsets = _DY_OFFSETS
-        if self.shard is not None:
-            (m, n), shift = dy.shape, self.shard.sr_offset
-            offsets = (offsets[0] + shift(GemmRole.DY_DGRAD, m, n),
-                       offsets[1] + shift(GemmRole.DY_WGRAD, n, m))
-        dyq, dytq, xt = self.tokens(be, dy, recipe, rows, cols, signs=signs, seed=seed,
-                                    offsets=offsets, transient=(True, True), prepare=xt)
+        dyq, dytq, xt = self.tokens(be, dy, q, xt)
         return dyq, dytq, wt, xt
 
     @staticmethod
@@ -144,33 +150,29 @@ class Grouped(NamedTuple):
 
     offs: torch.Tensor
 
+    shard = None  # the experts are not tensor parallel (a class attribute, not a field)
+
     @staticmethod
-    def weights(be: Backend, w: torch.Tensor, recipe: NVFP4Recipe, need_t: bool,
-                transient: bool) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-        """(W, W^T or None): ``be.quantize_experts``, each W_g alone (``transient``: W only feeds
-        the next :meth:`mm`)."""
-        return be.quantize_experts(w, recipe.spec(GemmRole.W_FPROP), need_t=need_t,
-                                   transient=transient)
+    def weights(be: Backend, w: torch.Tensor, q: TensorQuantizer,
+                ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+        """(W, W^T or None): ``be.quantize_experts`` under ``q.rowwise``, each W_g alone, W^T with
+        W's columnwise usage (a W used by fprop's GEMM only may come back as inner values)."""
+        return be.quantize_experts(w, q.rowwise.spec, need_t=q.columnwise is not None,
+                                   transient=q.rowwise.gemm_only)
 
-    def tokens(self, be: Backend, x: torch.Tensor, recipe: NVFP4Recipe, rows: Optional[GemmRole],
-               cols: Optional[GemmRole], *, signs: torch.Tensor, seed=0, offsets=(0, 0),
-               transient=(False, False), prepare: Optional[NVFP4Operand] = None):
-        """(rowwise, columnwise, prepared ``prepare``): the token groups of x (T, K) quantized as
-        operand ``rows`` and each x_g^T as operand ``cols`` (each None to skip) by
-        ``be.quantize_groups``, SR counters from ``offsets``."""
-        return be.quantize_groups(x, self.offs, rows and recipe.spec(rows),
-                                  cols and recipe.spec(cols), seed=seed, row_offset=offsets[0],
-                                  col_offset=offsets[1], signs=signs, transient=transient,
-                                  prepare=prepare)
+    def tokens(self, be: Backend, x: torch.Tensor, q: TensorQuantizer,
+               next_b: Optional[NVFP4Operand] = None):
+        """(rowwise, columnwise, ``next_b`` made ready or None): the token groups of x (T, K)
+        quantized by ``q.rowwise`` and each x_g^T by ``q.columnwise`` (each None to skip) in
+        ``be.quantize_groups``, which may make ``next_b`` (a stacked expert operand a later
+        :meth:`mm` takes as B) ready in the same pass."""
+        return be.quantize_groups(x, self.offs, **_pair_arguments(q, next_b))
 
-    def grad_copies(self, be: Backend, dy: torch.Tensor, recipe: NVFP4Recipe, rows, cols, wt, xt,
-                    signs: torch.Tensor, seed: torch.Tensor):
-        """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (T, N) as operands ``rows`` and ``cols``
-        (SR stream ``seed``, counters from ``SR_OFFSETS``, each group's past the earlier
-        groups'), W^T made ready for :meth:`mm` in dY's pass; ``grouped_mm`` takes X^T as it
-        is."""
-        dyq, dytq, wt = self.tokens(be, dy, recipe, rows, cols, signs=signs, seed=seed,
-                                    offsets=_DY_OFFSETS, transient=(True, True), prepare=wt)
+    def grad_copies(self, be: Backend, dy: torch.Tensor, q: TensorQuantizer, wt, xt):
+        """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (T, N) by ``q`` (SR counters from
+        ``SR_OFFSETS``, each group's past the earlier groups'), W^T, dgrad's B, made ready for
+        :meth:`mm` in dY's pass; ``grouped_mm`` takes X^T as it is."""
+        dyq, dytq, wt = self.tokens(be, dy, q, wt)
         return dyq, dytq, wt, xt
 
     @staticmethod
@@ -217,56 +219,52 @@ def dequantizable_experts(wq: NVFP4Operand) -> NVFP4Operand:
 
 
 def fprop(layout, be: Backend, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
-          recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
-          need_xt: bool, wq: Optional[NVFP4Operand] = None, keep: bool = False):
-    """fprop: ``Y = Q(X) @ Q(W)^T + bias`` per group on backend ``be`` (with
-    ``recipe.forward_override``: ``X @ W^T + bias`` in ``out_dtype``, ``high_precision.fprop``,
-    the copies for backward quantized as usual).
+          q: Quantizers, out_dtype: torch.dtype, wq: Optional[NVFP4Operand] = None):
+    """fprop: ``Y = Q(X) @ Q(W)^T + bias`` per group on backend ``be`` (where the recipe's
+    ``forward_override`` leaves X no rowwise quantizer: ``X @ W^T + bias`` in ``out_dtype``,
+    ``high_precision.fprop``, the copies for backward quantized as usual).
 
     Args:
         layout: :class:`Dense` or :class:`Grouped`, which gives the shapes of x, w and bias.
-        signs: (16,) RHT signs of the wgrad copy X^T.
-        need_wt, need_xt: also quantize W^T for dgrad and X^T for wgrad.
+        q: the forward's :class:`quantizers.Quantizers` (``quantizers.build``): X's rowwise copy
+            (fprop's A) and columnwise copy (wgrad's X^T, with its usage), W's (fprop's B) and
+            W^T (dgrad's, with W's columnwise usage).
         wq: W as ``layout.weights`` made it for fprop (``cached_weights``), or None to quantize
-            ``w`` here; only without need_wt.
-        keep: also return fprop's operands (X as codes) as ``reference.dequantize`` takes them,
-            for a dequantized backward.
+            ``w`` here; only without W's columnwise usage.
     Returns:
         (Y of ``out_dtype``, zeros past the last group; W^T or None; X^T or None; (X, W) or None):
-        the copies backward keeps, as codes.
+        the copies backward keeps, as codes; (X, W) as ``reference.dequantize`` takes them where
+        X's rowwise copy is not for fprop's GEMM only (a dequantized backward).
     """
-    cols = GemmRole.X_WGRAD if need_xt else None
-    if recipe.forward_override is not None:
-        wt = layout.weights(be, w, recipe, True, transient=True)[1] if need_wt else None
-        xt = layout.tokens(be, x, recipe, None, cols, signs=signs)[1] if need_xt else None
+    if q.x.rowwise is None:
+        wt = layout.weights(be, w, q.w)[1] if q.w.columnwise else None
+        xt = layout.tokens(be, x, q.x)[1] if q.x.columnwise else None
         return high_precision.fprop(x.to(out_dtype), w, bias, layout.offs), wt, xt, None
     wt = None
     if wq is None:
-        wq, wt = layout.weights(be, w, recipe, need_wt, transient=not keep)
-    xq, xt, _ = layout.tokens(be, x, recipe, GemmRole.X_FPROP, cols, signs=signs,
-                              transient=(not keep, False))
+        wq, wt = layout.weights(be, w, q.w)
+    xq, xt, _ = layout.tokens(be, x, q.x)
     y = layout.mm(be, xq, wq, out_dtype, bias)
-    return y, wt, xt, layout.dequantizable(xq, wq) if keep else None
+    return y, wt, xt, None if q.x.rowwise.gemm_only else layout.dequantizable(xq, wq)
 
 
 def grads(layout, be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand], xt,
-          recipe: NVFP4Recipe, signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
-          dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """dgrad and wgrad from dY on backend ``be``.
+          q: Quantizers, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
+          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dgrad and wgrad from dY on backend ``be``, with the backward's quantizers ``q``
+    (``quantizers.build``; dY's rowwise usage with W^T, its columnwise usage with X^T).
 
-    dgrad (with W^T): ``dX = Q(dY) @ (W^T)^T``, dY quantized rowwise (SR stream ``seed`` at
-    offset ``SR_OFFSETS[DY_DGRAD]``). wgrad (with X^T): ``dW = Q(dY^T) @ (X^T)^T``, dY^T
-    quantized along the tokens (RHT, SR at offset ``SR_OFFSETS[DY_WGRAD]``). Both copies of dY
-    come from one read; one of the saved operands is prepared for its GEMM in that pass where the
-    backend can (``layout.grad_copies``).
+    dgrad (with W^T): ``dX = Q(dY) @ (W^T)^T``, dY quantized rowwise (``DY_DGRAD``: SR from
+    ``SR_OFFSETS[DY_DGRAD]``). wgrad (with X^T): ``dW = Q(dY^T) @ (X^T)^T``, dY^T quantized along
+    the tokens (``DY_WGRAD``: RHT, SR from ``SR_OFFSETS[DY_WGRAD]``). Both copies of dY come from
+    one read and are used by their GEMMs only; one of the saved operands is made ready to be its
+    GEMM's B in that pass where the backend can (``layout.grad_copies``).
 
     Returns:
         (dX of ``dx_dtype`` or None, dW of ``dw_dtype`` or None), shaped as x and w of
         :func:`fprop`.
     """
-    rows = GemmRole.DY_DGRAD if wt is not None else None
-    cols = GemmRole.DY_WGRAD if xt is not None else None
-    dyq, dytq, wt, xt = layout.grad_copies(be, dy, recipe, rows, cols, wt, xt, signs, seed)
+    dyq, dytq, wt, xt = layout.grad_copies(be, dy, q.dy, wt, xt)
     dx = None if dyq is None else layout.mm(be, dyq, wt, dx_dtype)
     del dyq  # frees dY's copy before the wgrad GEMM
     dw = None if dytq is None else layout.mm(be, dytq, xt, dw_dtype)
@@ -285,9 +283,10 @@ class GemmsFn(torch.autograd.Function):
                 out_dtype: torch.dtype, layout):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         override = recipe.backward_override
-        y, wt, xt, kept = fprop(
-            layout, resolved(backend), x, w, bias, recipe, signs, out_dtype,
-            need_dx and not override, need_dw and not override, keep=override is Override.DEQUANTIZED)
+        q = quantizers.build(recipe, signs, Usage(need_dx and not override, need_dw and not override,
+                                                  keep=override is Override.DEQUANTIZED),
+                             layout.shard)
+        y, wt, xt, kept = fprop(layout, resolved(backend), x, w, bias, q, out_dtype)
         # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
         # backward advances sr_step, which a saved tensor's version check would refuse when the
         # layer runs twice before one backward (shared weights, a loop over the layer, the
@@ -334,5 +333,6 @@ def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
     wt = NVFP4Operand(*saved[0:3], wt_spec) if saved[0] is not None and need_dx else None
     xt = None if saved[3] is None or not need_dw else ctx.layout.columns(
         NVFP4Operand(*saved[3:6], xt_spec), ctx.xt_meta)
-    return grads(ctx.layout, resolved(ctx.backend), dy, wt, xt, ctx.recipe, signs,
-                 next_sr_key(*ctx.sr), ctx.x_dtype, ctx.w_dtype)
+    q = quantizers.build(ctx.recipe, signs, Usage(wt is not None, xt is not None),
+                         ctx.layout.shard, dy.shape, next_sr_key(*ctx.sr))
+    return grads(ctx.layout, resolved(ctx.backend), dy, wt, xt, q, ctx.x_dtype, ctx.w_dtype)

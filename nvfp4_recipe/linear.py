@@ -13,12 +13,13 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from . import gemms
+from . import gemms, quantizers
 from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
 from .gemms import weight_operands
 from .layer import NVFP4Module, backend_name, local, nvfp4_operands, out_dtype, sr_key, training
 from .operand import NVFP4Operand
+from .quantizers import Usage
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole
 from .tensor import NVFP4Tensor
@@ -46,8 +47,8 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
         (Y (M, N) of ``out_dtype``, W^T (K, N) or None, X^T (K, M) or None, (X, W) operands or
         None).
     """
-    return gemms.fprop(_dense(shard), be, x, weight, bias, recipe, signs, out_dtype, need_wt,
-                       need_xt, w, keep)
+    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep), shard)
+    return gemms.fprop(_dense(shard), be, x, weight, bias, q, out_dtype, w)
 
 
 def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
@@ -57,12 +58,14 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """dgrad and wgrad of an NVFP4 linear from dY (M, N), :func:`gemms.grads` of the
     :class:`gemms.Dense` layout, with W^T (K, N) and X^T (K, M) as :func:`linear_fprop` made
-    them; ``shard`` as there.
+    them; ``shard`` as there; ``seed``: the step's SR key (``layer.next_sr_key``).
 
     Returns:
         (dX (M, K) of ``dx_dtype`` or None, dW (N, K) of ``dw_dtype`` or None).
     """
-    return gemms.grads(_dense(shard), be, dy, wt, xt, recipe, signs, seed, dx_dtype, dw_dtype)
+    q = quantizers.build(recipe, signs, Usage(wt is not None, xt is not None), shard, dy.shape,
+                         seed)
+    return gemms.grads(_dense(shard), be, dy, wt, xt, q, dx_dtype, dw_dtype)
 
 
 _DENSE = gemms.Dense()
@@ -214,7 +217,8 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
                 # keyed by the Parameter, whose version counter a transposed view shares
                 w = None if shard is not None else self.cached_operand(
                     "weight", self.weight, backend, lambda: weight_operands(
-                        resolved(backend), weight, self.recipe, False)[0])
+                        resolved(backend), weight,
+                        quantizers.build(self.recipe, signs, quantizers.FPROP_ONLY).w)[0])
                 y = linear_fprop(resolved(backend), x2, weight, bias, self.recipe, signs,
                                  y_dtype, False, False, shard, w)[0]
             if self.captured is not None and x2.shape[0] and shard is None:

@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemms
+from . import gemms, quantizers
 from .backends import Backend, resolved
 from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, nvfp4_operands, out_dtype, sr_key, training
 from .operand import GroupedOperand, NVFP4Operand
+from .quantizers import Usage
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole
 from .tensor import NVFP4Tensor
@@ -61,8 +62,8 @@ def grouped_fprop(be: Backend, x: torch.Tensor, offs: torch.Tensor, w: torch.Ten
         (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
         grouped along the tokens or None; (X, W) operands or None).
     """
-    return gemms.fprop(gemms.Grouped(offs), be, x, w, None, recipe, signs, out_dtype, need_wt,
-                       need_xt, wq, keep)
+    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep))
+    return gemms.fprop(gemms.Grouped(offs), be, x, w, None, q, out_dtype, wq)
 
 
 def grouped_grads(be: Backend, dy: torch.Tensor, offs: torch.Tensor,
@@ -70,13 +71,15 @@ def grouped_grads(be: Backend, dy: torch.Tensor, offs: torch.Tensor,
                   signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
                   dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """dgrad and wgrad of a grouped NVFP4 linear from dY (T, N), :func:`gemms.grads`
-    of the :class:`gemms.Grouped` layout, with W^T and X^T as :func:`grouped_fprop` made them.
+    of the :class:`gemms.Grouped` layout, with W^T and X^T as :func:`grouped_fprop` made them;
+    ``seed``: the step's SR key (``layer.next_sr_key``).
 
     Returns:
         (dX (T, K) of ``dx_dtype`` or None, dW (G, N, K) of ``dw_dtype`` or None).
     """
-    return gemms.grads(gemms.Grouped(offs), be, dy, wt, xt, recipe, signs, seed, dx_dtype,
-                       dw_dtype)
+    q = quantizers.build(recipe, signs, Usage(wt is not None, xt is not None), None, dy.shape,
+                         seed)
+    return gemms.grads(gemms.Grouped(offs), be, dy, wt, xt, q, dx_dtype, dw_dtype)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe,
@@ -162,8 +165,9 @@ class NVFP4Experts(NVFP4Module):
         """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
         backend = backend_name(self.recipe.backend.value, w.device)
         wq = None if training(x, w) else self.cached_operand(
-            self.STREAMS[p], w, backend, lambda: resolved(backend).quantize_experts(
-                w, self.recipe.spec(GemmRole.W_FPROP), need_t=False, transient=True)[0])
+            self.STREAMS[p], w, backend, lambda: gemms.Grouped.weights(
+                resolved(backend), w, quantizers.build(self.recipe, self.rht_signs,
+                                                       quantizers.FPROP_ONLY).w)[0])
         y = _grouped_linear(x, w, offs, self.recipe, self.rht_signs, self.sr_state(p), backend, wq)
         if self.captured is not None:
             self._capture(p, x, offs, w, y, backend)

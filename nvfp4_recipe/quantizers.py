@@ -1,0 +1,138 @@
+"""The operand quantizers of one layer call: how each GEMM operand of a step is quantized, built
+once per forward and once per backward from the recipe and the layer's state.
+
+After TransformerEngine's ``NVFP4Quantizer`` (one quantizer object per GEMM role, with its
+rowwise / columnwise usage, RHT, SR and amax-reduction group): an :class:`OperandQuantizer` is one
+operand of one GEMM (a :class:`spec.GemmRole`), a :class:`TensorQuantizer` the rowwise and
+columnwise copies of one tensor, each None when that usage is off::
+
+    tensor   rowwise (blocks along K)          columnwise (of the transpose, blocks along rows)
+    X        X_FPROP: fprop's A                X_WGRAD: wgrad's B (RHT), saved for backward
+    W        W_FPROP: fprop's B                W_FPROP again: dgrad's W^T (its exact transpose
+                                               for 2d blocks), saved for backward
+    dY       DY_DGRAD: dgrad's A (SR)          DY_WGRAD: wgrad's A (RHT, SR)
+
+:func:`build` makes them (the only place that reads the recipe, the RHT signs, the SR key and the
+tensor-parallel shard for the GEMMs); ``gemms.py`` turns them into the backend primitives'
+arguments.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .backends import AmaxReduce, IntOrTensor
+from .recipe import SR_OFFSETS, NVFP4Recipe
+from .spec import GemmRole, QuantSpec
+
+__all__ = ["OperandQuantizer", "TensorQuantizer", "Quantizers", "Usage", "FPROP_ONLY", "build"]
+
+
+class OperandQuantizer(NamedTuple):
+    """How one GEMM operand is quantized (TE's ``NVFP4Quantizer`` for one usage).
+
+    Fields:
+        role: the operand's GemmRole; spec: ``recipe.spec(role)``.
+        signs: (16,) float32 +-1 RHT signs, only when ``spec.rht``; else None.
+        seed: the Philox key of the SR stream (an int64 device scalar in backward), 0 in forward.
+        offset: where the operand's SR counters start: ``recipe.SR_OFFSETS[role]`` plus, for a
+            tensor-parallel shard, the blocks of the shards before it
+            (``TensorParallelShard.sr_offset``); 0 for the forward operands (round to nearest).
+        amax_reduce: :data:`backends.AmaxReduce`: the max over the tensor-parallel group of a
+            sharded operand's amax (``TensorParallelShard.amax_reduce``), or None.
+        gemm_only: the copy is used by its GEMM only (neither saved for backward nor returned),
+            so a backend may hand it back in another form than codes.
+    """
+
+    role: GemmRole
+    spec: QuantSpec
+    signs: Optional[torch.Tensor]
+    seed: IntOrTensor
+    offset: IntOrTensor
+    amax_reduce: AmaxReduce
+    gemm_only: bool
+
+
+class TensorQuantizer(NamedTuple):
+    """The quantizers of one tensor's copies: rowwise (its rows, blocks along K) and columnwise
+    (its transpose, blocks along its rows), each None when that usage is off (TE's
+    rowwise / columnwise usage)."""
+
+    rowwise: Optional[OperandQuantizer]
+    columnwise: Optional[OperandQuantizer]
+
+
+class Quantizers(NamedTuple):
+    """The quantizers of one pass of a layer: X and W in forward (``dy`` None), dY in backward
+    (``x`` and ``w`` None). W's rowwise quantizer is always there (a W^T is made from W's
+    quantization); X has no rowwise one where the recipe's ``forward_override`` takes fprop out
+    of NVFP4."""
+
+    x: Optional[TensorQuantizer]
+    w: Optional[TensorQuantizer]
+    dy: Optional[TensorQuantizer]
+
+
+class Usage(NamedTuple):
+    """Which copies a layer call needs.
+
+    Fields:
+        dgrad: dX is computed: W^T kept in forward, dY rowwise in backward.
+        wgrad: dW is computed: X^T kept in forward, dY columnwise in backward.
+        keep: fprop's X and W are returned too (a dequantized backward), not only fed to the
+            fprop GEMM.
+    """
+
+    dgrad: bool
+    wgrad: bool
+    keep: bool = False
+
+
+FPROP_ONLY = Usage(False, False)  # no gradient (evaluation, cached weights): fprop's X and W
+
+
+def _quantizer(recipe: NVFP4Recipe, role: GemmRole, signs: torch.Tensor, shard, seed=0,
+               offset=0, gemm_only=False) -> OperandQuantizer:
+    """Operand ``role``'s quantizer: its spec from the recipe, the signs where it has the RHT, the
+    amax reducer of a tensor-parallel ``shard``."""
+    spec = recipe.spec(role)
+    return OperandQuantizer(role, spec, signs if spec.rht else None, seed, offset,
+                            None if shard is None else shard.amax_reduce(role, spec), gemm_only)
+
+
+def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
+          dy: Optional[Tuple[int, int]] = None, sr_key: IntOrTensor = 0) -> Quantizers:
+    """The quantizers of one forward (``dy`` None: X and W) or one backward (``dy`` given: dY).
+
+    Args:
+        recipe: the specs (``recipe.spec(role)``) and ``forward_override``.
+        signs: (16,) float32 +-1, the layer's RHT signs (used by the RHT operands only).
+        usage: which copies are needed (:class:`Usage`).
+        shard: None, or the ``tensor_parallel.TensorParallelShard`` of a tensor-parallel layer's
+            local operands: amaxes reduced over its group, dY's SR counters shifted past the other
+            shards' blocks.
+        dy: in backward, dY's local shape (M, N), which the SR shift of a shard depends on.
+        sr_key: in backward, the step's SR key (``layer.next_sr_key``).
+    Returns:
+        :class:`Quantizers`.
+    """
+    if dy is not None:
+        m, n = dy
+        rows = cols = None
+        if usage.dgrad:
+            role = GemmRole.DY_DGRAD
+            offset = SR_OFFSETS[role] + (0 if shard is None else shard.sr_offset(role, m, n))
+            rows = _quantizer(recipe, role, signs, shard, sr_key, offset, True)
+        if usage.wgrad:
+            role = GemmRole.DY_WGRAD
+            offset = SR_OFFSETS[role] + (0 if shard is None else shard.sr_offset(role, n, m))
+            cols = _quantizer(recipe, role, signs, shard, sr_key, offset, True)
+        return Quantizers(None, None, TensorQuantizer(rows, cols))
+    nvfp4 = recipe.forward_override is None
+    gemm_only = not (usage.keep and nvfp4)
+    w = _quantizer(recipe, GemmRole.W_FPROP, signs, shard, gemm_only=gemm_only)
+    x = TensorQuantizer(
+        _quantizer(recipe, GemmRole.X_FPROP, signs, shard, gemm_only=gemm_only) if nvfp4 else None,
+        _quantizer(recipe, GemmRole.X_WGRAD, signs, shard) if usage.wgrad else None)
+    return Quantizers(x, TensorQuantizer(w, w._replace(gemm_only=False) if usage.dgrad else None),
+                      None)
