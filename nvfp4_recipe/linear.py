@@ -20,7 +20,7 @@ from .gemms import weight_operands
 from .layer import NVFP4Module, backend_name, local, nvfp4_operands, out_dtype, sr_key, training
 from .operand import NVFP4Operand
 from .quantizers import Usage
-from .recipe import SR_OFFSETS, NVFP4Recipe
+from .recipe import NVFP4Recipe
 from .spec import GemmRole
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
@@ -69,6 +69,7 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
 
 
 _DENSE = gemms.Dense()
+_EVERY_COPY = Usage(dgrad=True, wgrad=True)  # what inspect records: every operand of every GEMM
 
 
 def _dense(shard: Optional[TensorParallelShard]) -> gemms.Dense:
@@ -246,28 +247,24 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         signs, r, names = self.rht_signs, self.recipe, nvfp4_operands(self.recipe)
         x2 = x2.detach()
 
-        def keep(t, role, **kw):
-            spec = r.spec(role)
-            q = NVFP4Tensor.from_operand(be.quantize(t, spec, signs=signs, **kw), t.dtype,
-                                         signs if spec.rht else None, backend)
-            return rec.keep(t, q, spec)
+        def keep(t, q):  # q: the operand's quantizers.OperandQuantizer
+            op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs)
+            return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend), q.spec)
 
+        fwd = quantizers.build(r, signs, _EVERY_COPY)
         with torch.no_grad():
             if "w" in names:
-                rec.store.update(w=keep(self.fprop_weight().detach(), GemmRole.W_FPROP),
-                                 x=keep(x2, GemmRole.X_FPROP))
+                rec.store.update(w=keep(self.fprop_weight().detach(), fwd.w.rowwise),
+                                 x=keep(x2, fwd.x.rowwise))
             if "xt" in names and x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
-                rec.store.update(xt=keep(x2.t(), GemmRole.X_WGRAD))
+                rec.store.update(xt=keep(x2.t(), fwd.x.columnwise))
         if y.requires_grad and "dy" in names:
             seed = sr_key(*self.sr_state())  # before backward advances it
 
             def record_dy(dy):
+                q = quantizers.build(r, signs, _EVERY_COPY, dy=tuple(dy.shape), sr_key=seed).dy
                 with torch.no_grad():
-                    rec.store.update(
-                        dy=keep(dy, GemmRole.DY_DGRAD, seed=seed,
-                                offset=SR_OFFSETS[GemmRole.DY_DGRAD]),
-                        dyt=keep(dy.t(), GemmRole.DY_WGRAD, seed=seed,
-                                 offset=SR_OFFSETS[GemmRole.DY_WGRAD]))
+                    rec.store.update(dy=keep(dy, q.rowwise), dyt=keep(dy.t(), q.columnwise))
             y.register_hook(record_dy)
 
     def extra_repr(self) -> str:

@@ -35,8 +35,7 @@ from .formats import BLOCK
 from .layer import NVFP4Module, backend_name, nvfp4_operands, out_dtype, sr_key, training
 from .operand import GroupedOperand, NVFP4Operand
 from .quantizers import Usage
-from .recipe import SR_OFFSETS, NVFP4Recipe
-from .spec import GemmRole
+from .recipe import NVFP4Recipe
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
@@ -181,43 +180,44 @@ class NVFP4Experts(NVFP4Module):
         of ``y`` arrives), quantized again with the step's specs, signs and SR stream, so they
         hold the bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
         be, r, signs, rec = resolved(backend), self.recipe, self.rht_signs, self.captured
-        names, bounds = nvfp4_operands(r), group_bounds(offs)
+        names, bounds, layout = nvfp4_operands(r), group_bounds(offs), gemms.Grouped(offs)
         record = rec.store.setdefault(self.STREAMS[p], {})
 
-        def groups(op, role, hp, transpose=False):
-            spec = r.spec(role)
+        def groups(op, q, hp, transpose=False):  # q: the operand's OperandQuantizer
             return [rec.keep(hp[s:e].t() if transpose else hp[s:e],
-                             NVFP4Tensor.from_operand(group_slice(op, g, s, e), hp.dtype,
-                                                      signs if spec.rht else None, backend), spec)
+                             NVFP4Tensor.from_operand(group_slice(op, g, s, e), hp.dtype, q.signs,
+                                                      backend), q.spec)
                     for g, (s, e) in enumerate(bounds)]
 
+        built = quantizers.build(r, signs, Usage(True, True))
+        fwd = quantizers.inspected(built.x)
         with torch.no_grad():
-            spec, w, x = r.spec(GemmRole.W_FPROP), w.detach(), x.detach()
+            w, x = w.detach(), x.detach()
             if "w" in names:
+                spec = built.w.rowwise.spec
                 wq = be.quantize_experts(w, spec, need_t=False)[0]
                 record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
                     expert_slice(wq, g), w.dtype, backend=backend), spec)
                     for g in range(w.shape[0])]
-            row = r.spec(GemmRole.X_FPROP) if "x" in names else None
-            col = r.spec(GemmRole.X_WGRAD) if "xt" in names else None
-            if row or col:
-                xq, xt, _ = be.quantize_groups(x, offs, row, col, signs=signs)
-                if row:
-                    record["x"] = groups(xq, GemmRole.X_FPROP, x)
-                if col:
-                    record["xt"] = groups(xt, GemmRole.X_WGRAD, x, transpose=True)
+            q = quantizers.TensorQuantizer(fwd.rowwise if "x" in names else None,
+                                           fwd.columnwise if "xt" in names else None)
+            if q.rowwise or q.columnwise:
+                xq, xt, _ = layout.tokens(be, x, q)
+                if q.rowwise:
+                    record["x"] = groups(xq, q.rowwise, x)
+                if q.columnwise:
+                    record["xt"] = groups(xt, q.columnwise, x, transpose=True)
         if y.requires_grad and "dy" in names:
             seed = sr_key(*self.sr_state(p))  # before backward advances it
 
             def record_dy(dy):
+                q = quantizers.inspected(quantizers.build(
+                    r, signs, Usage(True, True), dy=tuple(dy.shape), sr_key=seed).dy)
                 with torch.no_grad():
                     dy = dy.contiguous()
-                    dyq, dyt, _ = be.quantize_groups(
-                        dy, offs, r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD),
-                        seed=seed, row_offset=SR_OFFSETS[GemmRole.DY_DGRAD],
-                        col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs)
-                    record.update(dy=groups(dyq, GemmRole.DY_DGRAD, dy),
-                                  dyt=groups(dyt, GemmRole.DY_WGRAD, dy, transpose=True))
+                    dyq, dyt, _ = layout.tokens(be, dy, q)
+                    record.update(dy=groups(dyq, q.rowwise, dy),
+                                  dyt=groups(dyt, q.columnwise, dy, transpose=True))
             y.register_hook(record_dy)
 
     def high_precision(self) -> nn.Module:

@@ -25,7 +25,8 @@ from .backends import AmaxReduce, IntOrTensor
 from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole, QuantSpec
 
-__all__ = ["OperandQuantizer", "TensorQuantizer", "Quantizers", "Usage", "FPROP_ONLY", "build"]
+__all__ = ["OperandQuantizer", "TensorQuantizer", "Quantizers", "Usage", "FPROP_ONLY", "build",
+           "inspected"]
 
 
 class OperandQuantizer(NamedTuple):
@@ -136,3 +137,9 @@ def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
         _quantizer(recipe, GemmRole.X_WGRAD, signs, shard) if usage.wgrad else None)
     return Quantizers(x, TensorQuantizer(w, w._replace(gemm_only=False) if usage.dgrad else None),
                       None)
+
+
+def inspected(q: TensorQuantizer) -> TensorQuantizer:
+    """``q`` for copies recorded to be inspected (``inspect.capture``, ``QuantStats``): none is
+    used by its GEMM only, so every backend returns them as codes, with the same bits."""
+    return TensorQuantizer(*(c and c._replace(gemm_only=False) for c in q))

@@ -88,3 +88,15 @@ def test_tensor_parallel_shard():
     assert (dy.rowwise.offset, dy.columnwise.offset) == (SR_OFFSETS[R.DY_DGRAD],
                                                          SR_OFFSETS[R.DY_WGRAD])
     assert dy.rowwise.amax_reduce is None and dy.columnwise.amax_reduce is None
+
+
+def test_inspected_copies_are_codes_with_the_same_quantization():
+    """inspect records every copy as codes: inspected() turns gemm_only off and keeps the rest."""
+    signs = torch.ones(16)
+    dy = quantizers.build(nr.NVFP4Recipe(), signs, Usage(True, True), dy=(32, 48), sr_key=7).dy
+    assert dy.rowwise.gemm_only and dy.columnwise.gemm_only
+    for before, after in zip(dy, quantizers.inspected(dy)):
+        assert not after.gemm_only
+        assert after.signs is before.signs
+        assert after._replace(gemm_only=True, signs=None) == before._replace(signs=None)
+    assert quantizers.inspected(quantizers.TensorQuantizer(dy.rowwise, None)).columnwise is None
