@@ -92,7 +92,7 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
         print(ops["blocks.0.fc1"]["dy"])          # the SR-quantized output gradient
         nvfp4_recipe.tensor_stats(...)
     """
-    with _recording(model, lambda hp, q, spec: q) as stores:
+    with _recording(model, lambda hp, q: q) as stores:
         yield stores
 
 
@@ -214,7 +214,7 @@ def _corner(op: NVFP4Operand, rows: int, cols: int) -> NVFP4Operand:
                         op.spec)
 
 
-def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec, max_rows: int = 512,
+def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, max_rows: int = 512,
                    max_cols: int = 1024) -> torch.Tensor:
     """The counts behind :class:`QuantStats`' statistics of one operand, over its first
     ``max_rows`` rows and ``max_cols`` columns (whole blocks of the operand's quantization: its
@@ -222,7 +222,7 @@ def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec, max_rows: 
 
     Args:
         hp: (rows, K) the high-precision operand as its GEMM takes it (before the RHT).
-        q: its quantization (rows, K), as ``inspect.capture`` records it; spec: its QuantSpec.
+        q: its quantization (rows, K), as ``inspect.capture`` records it.
         max_rows, max_cols: positive multiples of 16: the sample's size, which bounds the cost
             whatever the operand's (X^T and dY^T have every token of the step along K).
     Returns:
@@ -327,9 +327,8 @@ class QuantStats:
             yield
         self.history.append({"step": step, "layers": _layer_statistics(*_stacked_counts(stores))})
 
-    def _keep(self, hp: torch.Tensor, q: NVFP4Tensor, spec: QuantSpec):
-        return (operand_counts(hp, q, spec, self.max_rows, self.max_cols),
-                spec.four_over_six is not None)
+    def _keep(self, hp: torch.Tensor, q: NVFP4Tensor):
+        return operand_counts(hp, q, self.max_rows, self.max_cols), q.four_over_six is not None
 
     def graphable(self) -> bool:
         """Whether :meth:`graphed` can capture a recorded step of this model: its NVFP4 layers

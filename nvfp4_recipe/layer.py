@@ -30,7 +30,6 @@ from .kernels.philox import next_key
 from .kernels.runtime import tracing
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
-from .spec import QuantSpec
 
 __all__ = ["NVFP4Module", "cached_weights", "sr_key", "next_sr_key", "out_dtype", "backend_name",
            "training", "local"]
@@ -131,14 +130,14 @@ def nvfp4_operands(recipe: NVFP4Recipe) -> Tuple[str, ...]:
 class Recording:
     """Where a module records the operands of its GEMMs while ``inspect`` asks it to.
 
-    ``store`` holds ``{name: keep(hp, q, spec)}`` for a linear and ``{projection: {name: [one
-    per expert or token group]}}`` for an experts module, where ``hp`` is the high-precision
-    operand (rows, K) as the GEMM takes it (before the RHT), ``q`` its :class:`NVFP4Tensor`
-    (the bits the GEMM used) and ``spec`` its :class:`QuantSpec`: ``inspect.capture`` keeps
-    ``q``, ``inspect.QuantStats`` statistics of the pair.
+    ``store`` holds ``{name: keep(hp, q)}`` for a linear and ``{projection: {name: [one per
+    expert or token group]}}`` for an experts module, where ``hp`` is the high-precision operand
+    (rows, K) as the GEMM takes it (before the RHT) and ``q`` its :class:`NVFP4Tensor` (the bits
+    the GEMM used, and ``q.spec``): ``inspect.capture`` keeps ``q``, ``inspect.QuantStats``
+    statistics of the pair.
     """
 
-    def __init__(self, keep: Callable[[torch.Tensor, object, QuantSpec], object]):
+    def __init__(self, keep: Callable[[torch.Tensor, object], object]):
         self.store: Dict[str, object] = {}
         self.keep = keep
 

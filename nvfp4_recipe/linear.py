@@ -249,7 +249,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
 
         def keep(t, q):  # q: the operand's quantizers.OperandQuantizer
             op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs)
-            return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend), q.spec)
+            return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
 
         fwd = quantizers.build(r, signs, _EVERY_COPY)
         with torch.no_grad():

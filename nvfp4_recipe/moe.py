@@ -186,7 +186,7 @@ class NVFP4Experts(NVFP4Module):
         def groups(op, q, hp, transpose=False):  # q: the operand's OperandQuantizer
             return [rec.keep(hp[s:e].t() if transpose else hp[s:e],
                              NVFP4Tensor.from_operand(group_slice(op, g, s, e), hp.dtype, q.signs,
-                                                      backend), q.spec)
+                                                      backend))
                     for g, (s, e) in enumerate(bounds)]
 
         built = quantizers.build(r, signs, Usage(True, True))
@@ -194,11 +194,9 @@ class NVFP4Experts(NVFP4Module):
         with torch.no_grad():
             w, x = w.detach(), x.detach()
             if "w" in names:
-                spec = built.w.rowwise.spec
-                wq = be.quantize_experts(w, spec, need_t=False)[0]
+                wq = be.quantize_experts(w, built.w.rowwise.spec, need_t=False)[0]
                 record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
-                    expert_slice(wq, g), w.dtype, backend=backend), spec)
-                    for g in range(w.shape[0])]
+                    expert_slice(wq, g), w.dtype, backend=backend)) for g in range(w.shape[0])]
             q = quantizers.TensorQuantizer(fwd.rowwise if "x" in names else None,
                                            fwd.columnwise if "xt" in names else None)
             if q.rowwise or q.columnwise:

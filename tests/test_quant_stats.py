@@ -31,7 +31,7 @@ def test_counts_agree_with_tensor_stats(spec):
     (random magnitudes over 2**+-12: zero and subnormal block scales occur)."""
     x = rand((64, 128), seed=11)
     signs = R.random_signs(torch.Generator().manual_seed(2)) if spec.rht else None
-    stats = _statistics(operand_counts(x, _q(x, spec, signs), spec, max_rows=64), False)
+    stats = _statistics(operand_counts(x, _q(x, spec, signs), max_rows=64), False)
     ref = nr.tensor_stats(x, spec, seed=5, rht_signs=signs)
     for key in ("flushed_to_zero", "saturated", "zero_scale_blocks"):
         assert stats[key] == pytest.approx(ref[key], abs=1e-12), key
@@ -49,7 +49,7 @@ def test_the_sample_is_a_corner_of_the_whole_tensors_quantization(block):
     """max_rows x max_cols: whole blocks (16x16 tiles for 2d) of the whole tensor's quantization."""
     x = rand((96, 128), seed=4)
     spec = QuantSpec(block)
-    head = dict(zip(COUNTS, operand_counts(x, _q(x, spec), spec, max_rows=32, max_cols=48).tolist()))
+    head = dict(zip(COUNTS, operand_counts(x, _q(x, spec), max_rows=32, max_cols=48).tolist()))
     whole = R.dequantize(_q(x, spec).operand)[:32, :48]
     assert head["elements"] == 32 * 48
     assert head["blocks"] == (2 * 3 if block is Block.D2 else 32 * 3)
@@ -68,7 +68,7 @@ def test_mapped_to_4_is_the_share_of_blocks_whose_scale_4_over_6_changed(block):
     x = x.to(torch.bfloat16)
     plain = QuantSpec(block)
     fos = QuantSpec(block, four_over_six=FourOverSix(e4m3_max=448))
-    counts = operand_counts(x, _q(x, fos), fos, max_rows=64)
+    counts = operand_counts(x, _q(x, fos), max_rows=64)
     changed = (_q(x, fos).scale.float() != _q(x, plain).scale.float()).double().mean().item()
     assert 0 < _statistics(counts, True)["mapped_to_4"] == pytest.approx(changed)
     assert "mapped_to_4" not in _statistics(counts, False)
