@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("--eval-every", int, "steps between validation passes"),
         ("--eval-tokens", int, "validation tokens per pass")))
     opt.add_argument("--seed", type=_seed, default=0, metavar="N",
-                     help="seeds the file split, the initialization, the data order and NVFP4Recipe.seed")
+                     help="seeds the file split (unless --split-seed), the initialization, the data "
+                          "order and NVFP4Recipe.seed")
     opt.add_argument("--split-seed", type=_seed, default=None, metavar="N",
                      help="seeds the train/validation file split instead of --seed, so that runs "
                           "with different --seed share one split (a --seeds study spread over "
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="record NVFP4 quantization statistics of every layer's operands every N "
                           "steps (inspect.QuantStats: flushed to zero, saturated, relative MSE, zero "
                           "and subnormal block scales, blocks mapped to 4) into results.json and "
-                          "quant_stats.png; a recorded step runs eagerly (default 0: off)")
+                          "quant_stats.png; in graph mode a recorded step replays a second CUDA graph (a model "
+                          "with experts records eagerly) (default 0: off)")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return parser
 
