@@ -221,8 +221,8 @@ def test_cuda_kernels_run_on_the_tensors_gpu_not_the_current_one():
 
     torch.manual_seed(3)
     base = nn.Linear(256, 128)
-    x = torch.randn(64, 256, dtype=torch.bfloat16)
-    dy = torch.randn(64, 128, dtype=torch.bfloat16)
+    x = torch.randn(64, 256)  # the layer's fp32 weight's dtype (nn.Linear's rule outside autocast)
+    dy = torch.randn(64, 128)
 
     def run(current: int):
         layer = NVFP4Linear.from_linear(copy.deepcopy(base).to("cuda:1"), NVFP4Recipe())
