@@ -17,7 +17,7 @@ implementing FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post
 - after it, the unsharded parameter is an :class:`NVFP4Tensor` (N, K) of ``param_dtype``: the
   bits of quantizing the gathered high-precision weight, since 16x16 tiles of whole rows never
   straddle shards and the amax is the whole weight's. ``NVFP4Linear`` runs fprop on it and dgrad
-  on its exact transpose (``linear.weight_operands``); wgrad's dense dW (N, K) in ``param_dtype``
+  on its exact transpose (``gemms.weight_operands``); wgrad's dense dW (N, K) in ``param_dtype``
   is the gradient FSDP2 reduce-scatters.
 
 Layers fall back to the high-precision gather (said once, naming the layer and the reason) where
