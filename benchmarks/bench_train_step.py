@@ -18,10 +18,14 @@ bf16 in the same mode, from the same run. Prints a table and writes JSON.
         [--modes eager compiled graph] [--compile blocks|model] [--no-peers] [--profile]
 
 ``--profile`` also prints each mode's GPU time per kernel (torch.profiler; in graph mode, of the
-replays).
+replays). The first steps are those of a machine that never ran these models: the run compiles
+into empty Inductor and Triton caches of its own (``--warm-cache`` keeps the usual ones, which
+earlier runs, or other processes running at the same time, may have filled).
 """
 
 import argparse
+import os
+import tempfile
 import time
 
 import torch
@@ -148,13 +152,19 @@ def main():
     p.add_argument("--no-peers", action="store_true", help="skip torchao's float8 training")
     p.add_argument("--profile", action="store_true",
                    help="also print the GPU time of each kernel of each mode's steps")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="compile into the usual Inductor and Triton caches, not empty ones")
     args = p.parse_args()
+    if not args.warm_cache:  # read when a kernel or graph is first compiled
+        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            os.environ[var] = tempfile.mkdtemp(prefix="bench_train_step_")
     results = {}
     for model, recipe, mode in runs(args.models, args.modes, not args.no_peers):
         results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile, args.compile)
         print(f"{model} {recipe} {mode}: {r['ms']:.2f} ms, first step {r['first_step_s']:.1f} s",
               flush=True)
-    write_json(args.json, {**environment(), "compile": args.compile, "results": results,
+    write_json(args.json, {**environment(), "compile": args.compile,
+                           "warm_cache": args.warm_cache, "results": results,
                            "models": {m: vars(preset_config("gpu", **MODELS[m])) for m in args.models}})
     print("| model | recipe | mode | step ms | x bf16 (same mode) | first step s | tokens/s | peak GiB |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
