@@ -16,6 +16,7 @@ bf16 in the same mode, from the same run. Prints a table and writes JSON.
 
     python benchmarks/bench_train_step.py [--json out.json] [--models preset wide]
         [--modes eager compiled graph] [--compile blocks|model] [--no-peers] [--profile]
+        [--warm-cache]
 
 ``--profile`` also prints each mode's GPU time per kernel (torch.profiler; in graph mode, of the
 replays). The first steps are those of a machine that never ran these models: the run compiles
