@@ -25,7 +25,9 @@ earlier runs, or other processes running at the same time, may have filled).
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -143,6 +145,15 @@ def runs(models, modes, peers: bool):
                 yield model, recipe, mode
 
 
+def empty_compile_caches() -> None:
+    """Point Inductor's and Triton's caches (read when a graph or kernel is first compiled) at
+    subdirectories of a new temporary directory, removed when the process exits."""
+    root = tempfile.mkdtemp(prefix="bench_train_step_")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ[var] = os.path.join(root, sub)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="bench_train_step.json")
@@ -156,9 +167,8 @@ def main():
     p.add_argument("--warm-cache", action="store_true",
                    help="compile into the usual Inductor and Triton caches, not empty ones")
     args = p.parse_args()
-    if not args.warm_cache:  # read when a kernel or graph is first compiled
-        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-            os.environ[var] = tempfile.mkdtemp(prefix="bench_train_step_")
+    if not args.warm_cache:
+        empty_compile_caches()
     results = {}
     for model, recipe, mode in runs(args.models, args.modes, not args.no_peers):
         results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile, args.compile)
