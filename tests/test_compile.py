@@ -4,6 +4,7 @@ trains them with eager's results: the same quantized operands, so the gradients 
 order of Inductor's fp32 sums around them (a few ulps; the bound below is 1e-5 of the largest)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -64,11 +65,16 @@ MODELS = {"dense": dense, "titan_moe": titan_moe, "hf_moe": hf_moe}
 @pytest.mark.parametrize("name", list(MODELS))
 def test_no_graph_breaks(name, backend):
     """``torch._dynamo.explain``: one graph, no break, for a dense model, torchtitan-style
-    experts and a Hugging Face MoE (the Triton backend under the interpreter on CPU)."""
+    experts and a Hugging Face MoE (the Triton backend under the interpreter on CPU); and no
+    warning from Dynamo about the package's code (e.g. a traced ``lru_cache``)."""
     model, x = MODELS[name](backend)
     assert nvfp4_modules(model)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explained = torch._dynamo.explain(model)(x)
+    ours = [str(w.message) for w in caught if "nvfp4_recipe" in str(w.message)]
+    assert not ours, ours
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
 

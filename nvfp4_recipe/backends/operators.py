@@ -80,7 +80,7 @@ def _decode(struct: tuple, tensors) -> Any:
     if tag == "E":
         return _ENUMS[(struct[1], struct[2])]
     if tag == "F":
-        return _dataclass(struct[1], *[_decode(s, tensors) for s in struct[2]])
+        return _DATACLASSES[struct[1]](*[_decode(s, tensors) for s in struct[2]])
     if tag == "D":
         return _DTYPES[struct[1]]
     if tag == "U":
@@ -90,11 +90,6 @@ def _decode(struct: tuple, tensors) -> Any:
     if tag == "K":
         return {k: _decode(v, tensors) for k, v in struct[1]}
     return struct[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _dataclass(name: str, *fields) -> Any:
-    return _DATACLASSES[name](*fields)
 
 
 @functools.lru_cache(maxsize=None)
