@@ -23,7 +23,7 @@ from torch import nn
 from . import reference as R
 from .backends import resolved
 from .formats import BLOCK
-from .layer import NVFP4Module, backend_name, next_sr_key, out_dtype, training
+from .layer import NVFP4Module, autocast_off, backend_name, next_sr_key, out_dtype, training
 from .linear import linear_fprop, linear_grads
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
@@ -82,7 +82,7 @@ class _FrozenLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         qdata, scale, outer, signs = ctx.saved_tensors
         w = NVFP4Operand(qdata, scale, outer, ctx.spec)
-        with torch.autocast(dy.device.type, enabled=False):
+        with autocast_off(dy.device.type):
             if ctx.gemm == "bf16":
                 dx = (dy @ R.dequantize(w).to(dy.dtype)).to(ctx.x_dtype)
             else:
@@ -186,7 +186,7 @@ class NVFP4FrozenLinear(NVFP4Module):
         x2 = x.reshape(-1, self.in_features)
         args = (self.qdata, self.scale, self.outer_scale, self.spec, self.rht_signs,
                 self.sr_state(), self.recipe, backend, self.gemm, y_dtype)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             if training(x):
                 y = _FrozenLinearFn.apply(x2, self.bias, *args)
             else:

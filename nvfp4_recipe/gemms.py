@@ -28,7 +28,7 @@ from . import high_precision, quantizers
 from . import reference as R
 from .backends import Backend, resolved
 from .backends.grouped import expert_rows
-from .layer import next_sr_key
+from .layer import autocast_off, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
 from .quantizers import Quantizers, TensorQuantizer, Usage
 from .recipe import NVFP4Recipe
@@ -310,7 +310,7 @@ class GemmsFn(torch.autograd.Function):
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         override, layout = ctx.recipe.backward_override, ctx.layout
-        with torch.autocast(dy.device.type, enabled=False):
+        with autocast_off(dy.device.type):
             g = layout.gradient(dy)
             if override is not None:
                 w, *kept = ctx.saved_tensors

@@ -93,6 +93,19 @@ def next_sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) 
     return key
 
 
+def autocast_off(device_type: str):
+    """The context the layers run their GEMMs in: autocast off where it is on, so that every operand
+    keeps the dtype the layer chose for it (autocast would recast the high-precision GEMMs' inputs
+    and the reference backend's arithmetic). Nothing is entered while torch.compile traces: Dynamo
+    records an autocast switch as a call in the graph, and AOTAutograd's cache refuses such graphs,
+    so every process would trace the layers again. There the primitives' bodies switch autocast off
+    themselves (``backends.operators.register``), and the traced code between them casts
+    explicitly to the dtypes autocast would pick."""
+    if torch.compiler.is_compiling() or not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype nn.Linear would return: the autocast dtype when autocast is on, else x.dtype."""
     kind = x.device.type

@@ -17,7 +17,8 @@ from . import gemms, quantizers
 from .backends import Backend, get_backend, resolved
 from .formats import BLOCK
 from .gemms import weight_operands
-from .layer import NVFP4Module, backend_name, local, nvfp4_operands, out_dtype, sr_key, training
+from .layer import (NVFP4Module, autocast_off, backend_name, local, nvfp4_operands, out_dtype, sr_key,
+                    training)
 from .operand import NVFP4Operand
 from .quantizers import Usage
 from .recipe import NVFP4Recipe
@@ -207,7 +208,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         y_dtype = out_dtype(x)
         signs = local(self.rht_signs)
         x2 = x.reshape(-1, k)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
                 y = nn.functional.linear(x2.to(weight.dtype), weight, bias).to(y_dtype)
             elif training(x, weight, bias):

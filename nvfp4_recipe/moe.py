@@ -32,7 +32,8 @@ from . import gemms, quantizers
 from .backends import Backend, resolved
 from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
-from .layer import NVFP4Module, backend_name, nvfp4_operands, out_dtype, sr_key, training
+from .layer import (NVFP4Module, autocast_off, backend_name, nvfp4_operands, out_dtype, sr_key,
+                    training)
 from .operand import GroupedOperand, NVFP4Operand
 from .quantizers import Usage
 from .recipe import NVFP4Recipe
@@ -111,7 +112,7 @@ def _grouped_linear(x, w, offs, recipe, signs, sr, backend, wq=None):
     """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step, sr_rank);
     ``wq``: the cached fprop weights (inference only)."""
     y_dtype = out_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         if training(x, w):
             return gemms.GemmsFn.apply(x, w, None, signs, sr, recipe, backend, y_dtype,
                                        gemms.Grouped(offs))

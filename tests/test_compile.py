@@ -3,6 +3,7 @@ break (the backend primitives are registered operators, ``backends/operators.py`
 trains them with eager's results: the same quantized operands, so the gradients differ only by the
 order of Inductor's fp32 sums around them (a few ulps; the bound below is 1e-5 of the largest)."""
 
+import contextlib
 import copy
 import warnings
 
@@ -129,12 +130,48 @@ def test_cuda_inductor_trains_as_eager(name, device):
 def test_every_recipe_field_crosses_the_compile_boundary(name, fields):
     """Compiled (aot_eager: the traced graph, no Inductor sums) forward and backward equal eager's
     bit for bit under recipes whose fields reach the kernels through the operators' specs."""
-    model, x = MODELS[name]("triton", **fields)
+    check_traced_as_eager(*MODELS[name]("triton", **fields), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("name, fields", [
+    ("dense", {}), ("dense", dict(backward_override="dequantized")),
+    ("dense", dict(forward_override="high_precision")),
+    ("titan_moe", dict(forward_override="high_precision"))],
+    ids=["dense", "dense-bwd_dequantized", "dense-fwd_high_precision", "titan_moe-fwd_high_precision"])
+def test_compiled_under_autocast_as_eager(name, fields):
+    """Under bf16 autocast the traced layers switch nothing (the graph must stay cacheable) and
+    still compute as eager, which switches autocast off around its GEMMs: the same outputs and
+    gradients bit for bit, high-precision GEMMs included."""
+    check_traced_as_eager(*MODELS[name]("triton", **fields),
+                          lambda: torch.autocast("cpu", torch.bfloat16))
+
+
+def check_traced_as_eager(model, x, context):
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for m in (compiled, eager):
-        loss_of(m, x).backward()
-    assert torch.equal(compiled(x), eager(x))
+        with context():
+            loss_of(m, x).backward()
+    with context():
+        assert torch.equal(compiled(x), eager(x))
     for p, q in zip(model.parameters(), eager.parameters()):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+
+
+def test_a_second_compile_loads_from_the_autograd_cache(tmp_path, monkeypatch):
+    """With torch's opt-in for custom autograd Functions
+    (``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=1``), compiling the model again (a new
+    process, here after ``torch._dynamo.reset``) loads AOTAutograd's result from its cache rather
+    than tracing the layers again: their graphs hold nothing the cache refuses, such as an
+    autocast switch, also under autocast."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, x = dense("triton")
+    counters = torch._dynamo.utils.counters
+    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with torch.autocast("cpu", torch.bfloat16):
+                loss_of(torch.compile(model, fullgraph=True), x).backward()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])

@@ -185,3 +185,20 @@ def test_compiled_layer_on_a_view_with_a_storage_offset(device):
         else:
             assert float((y - y_ref).norm() / y_ref.norm()) < 2e-3
             assert float((gx - gx_ref).norm() / gx_ref.norm()) < 2e-3
+
+
+def test_a_second_compile_loads_from_the_autograd_cache(device, tmp_path, monkeypatch):
+    """As on the CPU (test_compile.py), with the Triton kernels traced into the graphs: with torch's
+    opt-in for autograd Functions, a second compile of the model loads AOTAutograd's result from
+    the cache instead of tracing the layers (and analysing their kernels) again."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = mlp(device)
+    x = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
+    counters = torch._dynamo.utils.counters
+    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with torch.autocast("cuda", torch.bfloat16):
+                torch.compile(model, fullgraph=True)(x).float().square().mean().backward()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])

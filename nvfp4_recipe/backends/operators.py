@@ -22,6 +22,7 @@ is recorded by the body (or fake) the first time a key runs and read back while 
 """
 
 import ast
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -102,6 +103,17 @@ def _result_structure(key: str) -> tuple:
     return _RESULTS[key]
 
 
+def _autocast_off(tensors: List[Optional[torch.Tensor]]):
+    """Autocast off, where it is on for the device of ``tensors``, around a primitive's body under
+    torch.compile: a primitive computes in the dtypes it is given, as in eager mode, where the
+    layers switch autocast off around their primitives (``layer.autocast_off`` says why not
+    while compiling)."""
+    kind = next((t.device.type for t in tensors if t is not None), "cpu")
+    if not torch.is_autocast_enabled(kind):
+        return contextlib.nullcontext()
+    return torch.autocast(kind, enabled=False)
+
+
 def _unaliased(outputs: List[torch.Tensor], inputs: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """``outputs`` with a clone for each one that shares storage with an input or an earlier
     output (a custom operator's outputs may alias neither: a shared outer scale, an operand
@@ -158,7 +170,8 @@ def register(name: str, impl: Callable, *, traced: bool,
                 tensors = [_stored(t) for t in tensors]
             args, kwargs = _decode(_parse(key), iter(tensors))
             outputs: List[torch.Tensor] = []
-            _RESULTS[key] = _encode(run(*args, **kwargs), outputs)
+            with _autocast_off(given):
+                _RESULTS[key] = _encode(run(*args, **kwargs), outputs)
             return _unaliased(outputs, given + tensors)
         return body
 
