@@ -21,16 +21,18 @@ bf16 in the same mode, from the same run. Prints a table and writes JSON.
 ``--profile`` also prints each mode's GPU time per kernel (torch.profiler; in graph mode, of the
 replays). The first steps are those of a machine that never ran these models: the run compiles
 into empty Inductor and Triton caches of its own (``--warm-cache`` keeps the usual ones, which
-earlier runs, or other processes running at the same time, may have filled). In compiled mode the
-model is then built and compiled once more, from the caches the first compile filled: the first
-step of a later run on the same machine (with torch's opt-in that lets AOTAutograd's cache hold
-graphs with autograd Functions, which the NVFP4 layers use).
+earlier runs, or other processes running at the same time, may have filled). In compiled mode a
+second process then builds and compiles the same model from the caches the first compile filled:
+the first step of a later run on the same machine (with torch's opt-in that lets AOTAutograd's
+cache hold graphs with autograd Functions, which the NVFP4 layers use).
 """
 
 import argparse
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -151,11 +153,17 @@ def measure(model_name: str, recipe: str, mode: str, profile: bool = False,
          "tokens_per_s": cfg.batch_size * cfg.seq_len / ms * 1e3,
          "peak_bytes": torch.cuda.max_memory_allocated(), "params": count_params(model)}
     torch._dynamo.reset()  # each compiled model starts from a clean cache
-    if mode == "compiled":  # a later run: the same model compiled from the caches just filled
-        del run, step, model
-        r["rerun_first_step_s"] = first_step(build_step(model_name, recipe, mode, scope)[0], mode)[1]
-        torch._dynamo.reset()
+    if mode == "compiled":
+        r["rerun_first_step_s"] = later_run_first_step(model_name, recipe, scope)
     return r
+
+
+def later_run_first_step(model_name: str, recipe: str, scope: str) -> float:
+    """The first compiled step of a new process that builds and compiles the same model from the
+    caches this one filled (the environment's cache directories)."""
+    out = subprocess.run([sys.executable, __file__, "--later-run", model_name, recipe,
+                          "--compile", scope], check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
 
 
 def runs(models, modes, peers: bool):
@@ -187,12 +195,16 @@ def main():
                    help="also print the GPU time of each kernel of each mode's steps")
     p.add_argument("--warm-cache", action="store_true",
                    help="compile into the usual Inductor and Triton caches, not empty ones")
+    p.add_argument("--later-run", nargs=2, metavar=("MODEL", "RECIPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not args.warm_cache:
-        empty_compile_caches()
     # torch's opt-in (TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=1) that lets a later run
     # load the NVFP4 layers' compiled graphs, which contain an autograd Function, from the cache
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    if args.later_run:  # the child of later_run_first_step: its caches are the parent's
+        print(first_step(build_step(*args.later_run, "compiled", args.compile)[0], "compiled")[1])
+        return
+    if not args.warm_cache:
+        empty_compile_caches()
     results = {}
     for model, recipe, mode in runs(args.models, args.modes, not args.no_peers):
         results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile, args.compile)
