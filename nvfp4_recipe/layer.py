@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .backends import get_backend
+from .backends.operators import autocast_disabled
 from .formats import BLOCK
 from .kernels.philox import next_key
 from .kernels.runtime import tracing
@@ -101,9 +102,9 @@ def autocast_off(device_type: str):
     so every process would trace the layers again. There the primitives' bodies switch autocast off
     themselves (``backends.operators.register``), and the traced code between them casts
     explicitly to the dtypes autocast would pick."""
-    if torch.compiler.is_compiling() or not torch.is_autocast_enabled(device_type):
+    if torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False)
+    return autocast_disabled(device_type)
 
 
 def out_dtype(x: torch.Tensor) -> torch.dtype:

@@ -103,15 +103,14 @@ def _result_structure(key: str) -> tuple:
     return _RESULTS[key]
 
 
-def _autocast_off(tensors: List[Optional[torch.Tensor]]):
-    """Autocast off, where it is on for the device of ``tensors``, around a primitive's body under
-    torch.compile: a primitive computes in the dtypes it is given, as in eager mode, where the
-    layers switch autocast off around their primitives (``layer.autocast_off`` says why not
-    while compiling)."""
-    kind = next((t.device.type for t in tensors if t is not None), "cpu")
-    if not torch.is_autocast_enabled(kind):
+def autocast_disabled(device_type: str):
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on for that device type,
+    else a no-op context. Around a primitive's body under torch.compile, so that it computes in the
+    dtypes it is given, as in eager mode (where the layers switch autocast off around their
+    primitives: ``layer.autocast_off`` says why not while compiling)."""
+    if not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext()
-    return torch.autocast(kind, enabled=False)
+    return torch.autocast(device_type, enabled=False)
 
 
 def _unaliased(outputs: List[torch.Tensor], inputs: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -170,7 +169,7 @@ def register(name: str, impl: Callable, *, traced: bool,
                 tensors = [_stored(t) for t in tensors]
             args, kwargs = _decode(_parse(key), iter(tensors))
             outputs: List[torch.Tensor] = []
-            with _autocast_off(given):
+            with autocast_disabled(next((t.device.type for t in given if t is not None), "cpu")):
                 _RESULTS[key] = _encode(run(*args, **kwargs), outputs)
             return _unaliased(outputs, given + tensors)
         return body
