@@ -166,12 +166,17 @@ def test_a_second_compile_loads_from_the_autograd_cache(tmp_path, monkeypatch):
     than tracing the layers again: their graphs hold nothing the cache refuses, such as an
     autocast switch, also under autocast."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    model, x = dense("triton")
+    assert_second_compile_hits_the_cache(*dense("triton"))
+
+
+def assert_second_compile_hits_the_cache(model, x):
+    """Compile ``model`` twice (``torch._dynamo.reset`` between) under bf16 autocast with torch's
+    opt-in for autograd Functions in AOTAutograd's cache; the second compile must load from it."""
     counters = torch._dynamo.utils.counters
     with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
         for _ in range(2):
             torch._dynamo.reset()
             counters.clear()
-            with torch.autocast("cpu", torch.bfloat16):
+            with torch.autocast(x.device.type, torch.bfloat16):
                 loss_of(torch.compile(model, fullgraph=True), x).backward()
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nvfp4_recipe import NVFP4Recipe, quantize_
+from test_compile import assert_second_compile_hits_the_cache
 
 pytestmark = pytest.mark.cuda
 
@@ -192,13 +193,5 @@ def test_a_second_compile_loads_from_the_autograd_cache(device, tmp_path, monkey
     opt-in for autograd Functions, a second compile of the model loads AOTAutograd's result from
     the cache instead of tracing the layers (and analysing their kernels) again."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    model = mlp(device)
-    x = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
-    counters = torch._dynamo.utils.counters
-    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
-        for _ in range(2):
-            torch._dynamo.reset()
-            counters.clear()
-            with torch.autocast("cuda", torch.bfloat16):
-                torch.compile(model, fullgraph=True)(x).float().square().mean().backward()
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert_second_compile_hits_the_cache(mlp(device),
+                                         torch.randn(64, 256, device=device, dtype=torch.bfloat16))
