@@ -1,8 +1,10 @@
 """kernels/runtime.py: the launch cache keys on what Triton specializes on, and a cached launch
-computes what a launch through Triton computes (new data, other alignments, another stream)."""
+computes what a launch through Triton computes (new data, other alignments, another stream); kernel
+outputs cost Inductor no fill."""
 
 import copy
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -16,6 +18,23 @@ from nvfp4_recipe.kernels.runtime import launch_key
 from nvfp4_recipe.reference import quantize
 
 from nvfp4_cases import assert_same, spec
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 5)])
+def test_empty_outputs_cost_inductor_no_fill(shape):
+    """A 0-d ``torch.empty`` is one element of work to Inductor, which stores a zero into it (on
+    the GPU in a launch of its own); ``runtime.empty`` makes it a view of a one-element buffer,
+    which Inductor leaves alone, like any other empty output."""
+    from torch._inductor.utils import run_and_get_code
+
+    def f(x):
+        return x + 1, runtime.empty(shape, torch.float32, x.device)
+
+    torch._dynamo.reset()
+    (y, out), code = run_and_get_code(torch.compile(f, fullgraph=True), torch.randn(8))
+    assert out.shape == shape and out.dtype == torch.float32 and out.device.type == "cpu"
+    kernels = set(re.findall(r"\b(?:cpp|triton)_\w*fused_\w+", "\n".join(code)))
+    assert kernels and not [k for k in kernels if "empty" in k], kernels
 
 
 def test_launch_key_separates_what_triton_specializes_on():

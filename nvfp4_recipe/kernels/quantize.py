@@ -37,8 +37,8 @@ from .four_over_six import candidate_error, candidates, fos_code, four_over_six_
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
-from .runtime import (Launcher, cdiv, inner_values_supported, interpreting, prune_wide_tiles, scalar,
-                      scalar_arg)
+from .runtime import (Launcher, cdiv, empty, inner_values_supported, interpreting, prune_wide_tiles,
+                      scalar, scalar_arg)
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -434,7 +434,7 @@ def empty_copy(rows: int, cols: int, spec: QuantSpec, inner: bool, outer_shape: 
     ``spec``: codes and scales (the scales as uint8 until the kernel has written them,
     :func:`_finished`) or, with ``inner``, float16 inner values; an fp32 outer scale of
     ``outer_shape``."""
-    outer = torch.empty(outer_shape, dtype=torch.float32, device=device)
+    outer = empty(outer_shape, torch.float32, device)
     if inner:
         return NVFP4Operand(None, None, outer, spec,
                             torch.empty(rows, cols, dtype=torch.float16, device=device))
@@ -648,7 +648,7 @@ def empty_2d(lead: Tuple[int, ...], n: int, k: int, spec: QuantSpec, write_w: bo
     under ``spec`` (a Block.D2 spec, which both carry; scales as uint8 until the kernel has
     written them, :func:`_finished`; W as float16 inner values with ``inner``); W and W^T share
     the fp32 outer scale of shape ``lead``."""
-    outer = torch.empty(lead, dtype=torch.float32, device=device)
+    outer = empty(lead, torch.float32, device)
     wq = wtq = None
     if write_w and inner:
         wq = NVFP4Operand(None, None, outer, spec,
