@@ -112,7 +112,7 @@ def test_inductor_launches_the_layers_triton_kernels_itself(device):
     """With the Triton backend the layer's operators are triton_ops: torch.compile traces their
     bodies, so Inductor's generated code launches the quantize kernels and the TMA GEMM (used at
     this size) itself, forward and backward, and calls none of this package's operators; the
-    kernels' empty outputs (0-d outer scales and SR keys among them) cost no fill kernel
+    kernels' empty outputs (the 0-d per-tensor outer scales among them) cost no fill kernel
     (``runtime.empty``); the gradients agree with eager mode to the bound of
     test_compiled_step_matches_eager."""
     from torch._inductor.utils import run_and_get_code

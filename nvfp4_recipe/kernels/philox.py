@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import Launcher, empty
+from .runtime import Launcher
 from .tiles import join16
 
 
@@ -73,6 +73,6 @@ def next_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int) -> torc
     by one in place, in one launch (the key of ``linear.sr_key`` and the counter's advance, which
     as torch ops take two or three). ``sr_seed``, ``sr_step``: int64 () tensors on one device
     (CUDA, or the CPU under the interpreter)."""
-    key = empty((), torch.int64, sr_step.device)
+    key = torch.empty((), dtype=torch.int64, device=sr_step.device)
     _NEXT_KEY[(1,)](sr_seed, sr_step, key, sr_rank)
     return key

@@ -111,7 +111,7 @@ def empty(shape: Tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)`` for a kernel's output; a 0-d one is a view
     of one element. Inductor makes an empty buffer as a fill over zero iterations, which for a 0-d
     shape is one iteration: every 0-d ``torch.empty`` in a compiled graph would cost a kernel
-    launch (per-tensor outer scales and SR keys: several per linear layer and step)."""
+    launch (the quantize kernels' per-tensor outer scales: five per linear layer and step)."""
     if len(shape) == 0:
         return torch.empty(1, dtype=dtype, device=device).view(())
     return torch.empty(shape, dtype=dtype, device=device)
