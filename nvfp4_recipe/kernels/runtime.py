@@ -3,10 +3,10 @@
 The interpreter flag (``TRITON_INTERPRET=1``, read once at import as ``triton.jit`` reads it),
 device queries cached per device (the SM count sizes persistent grids; the compute capability picks
 hardware paths), the check that tensors can run the kernels at all, scalar arguments given by value
-or as device pointers, the autotuner's tile pruning, and :class:`Launcher`, which launches a compiled
-kernel with a few microseconds of host time, or, while torch.compile traces a ``triton_op``
-(``backends/operators.py``), records the launch with ``wrap_triton`` so that Inductor calls the
-kernel itself.
+or as device pointers, the allocation of kernel outputs (:func:`empty`), the autotuner's tile
+pruning, and :class:`Launcher`, which launches a compiled kernel with a few microseconds of host
+time, or, while torch.compile traces a ``triton_op`` (``backends/operators.py``), records the
+launch with ``wrap_triton`` so that Inductor calls the kernel itself.
 Imports nothing from the package, and changes nothing outside it at import.
 """
 
