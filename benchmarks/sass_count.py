@@ -53,8 +53,9 @@ def compile_variant(on):
     sig = signature(on)
     sig["stride_k"] = "constexpr"  # Triton specializes a stride of 1
     consts = {f: f in on for f in FLAGS}
-    consts.update(stride_k=1, ROW_FOS=0, COL_FOS=0, SEED_PTR=False, ROFF_PTR=False, COFF_PTR=False, DEQ=False,
-                  D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True, D_PTX=False, BB=BB, BC=BC)
+    consts.update(stride_k=1, ROW_FOS=0, COL_FOS=0, SEED_PTR=False, ROFF_PTR=False, COFF_PTR=False,
+                  DEQ=False, D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True, D_PTX=False, BB=BB,
+                  BC=BC)
     names = [p.name for p in Q._quantize_1d_kernel.fn.params]
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n, t in sig.items() if t.startswith("*") or n in DIV16}
