@@ -15,8 +15,8 @@ NVFP4: all but ``lm_head``), run compiled only, the mode torchao supports for sp
 bf16 in the same mode, from the same run. Prints a table and writes JSON.
 
     python benchmarks/bench_train_step.py [--json out.json] [--models preset wide]
-        [--modes eager compiled graph] [--compile blocks|model] [--no-peers] [--profile]
-        [--warm-cache]
+        [--modes eager compiled graph] [--recipes nvfp4 nvfp4-4over6 ...]
+        [--compile blocks|model] [--no-peers] [--profile] [--warm-cache]
 
 ``--profile`` also prints each mode's GPU time per kernel (torch.profiler; in graph mode, of the
 replays). The first steps are those of a machine that never ran these models: the run compiles
@@ -42,9 +42,10 @@ from common import environment, median_ms, write_json
 from nvfp4_recipe.blocks import repeated_blocks
 from nvfp4_recipe.train.loop import build_model, lm_loss, make_optimizer
 from nvfp4_recipe.train.model import count_params
+from nvfp4_recipe.train.config import RECIPES as JOB_RECIPES
 from nvfp4_recipe.train.presets import preset_config
 
-RECIPES = ("bf16", "nvfp4")
+RECIPES = ("bf16", "nvfp4")  # the default; --recipes adds the main job's others (bf16 always runs)
 PEERS = ("float8-rowwise", "float8-tensorwise")  # torchao, compiled only
 MODES = ("eager", "compiled", "graph")
 MODELS = {"preset": {},
@@ -166,11 +167,12 @@ def later_run_first_step(model_name: str, recipe: str, scope: str) -> float:
     return float(out.split()[-1])
 
 
-def runs(models, modes, peers: bool):
-    """(model, recipe, mode) triples to measure: bf16 and NVFP4 in each mode, the peers compiled."""
+def runs(models, modes, recipes, peers: bool):
+    """(model, recipe, mode) triples to measure: bf16 and the recipes in each mode, the peers
+    compiled."""
     for model in models:
         for mode in modes:
-            for recipe in RECIPES + (PEERS if peers and mode == "compiled" else ()):
+            for recipe in recipes + (PEERS if peers and mode == "compiled" else ()):
                 yield model, recipe, mode
 
 
@@ -188,6 +190,8 @@ def main():
     p.add_argument("--json", default="bench_train_step.json")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--recipes", nargs="+", choices=list(JOB_RECIPES), default=list(RECIPES[1:]),
+                   help="the main job's recipes to time beside bf16 (default: nvfp4)")
     p.add_argument("--compile", choices=("blocks", "model"), default="blocks",
                    help="compiled mode: each transformer block on its own (default) or the whole model")
     p.add_argument("--no-peers", action="store_true", help="skip torchao's float8 training")
@@ -206,7 +210,8 @@ def main():
     if not args.warm_cache:
         empty_compile_caches()
     results = {}
-    for model, recipe, mode in runs(args.models, args.modes, not args.no_peers):
+    recipes = ("bf16",) + tuple(r for r in args.recipes if r != "bf16")
+    for model, recipe, mode in runs(args.models, args.modes, recipes, not args.no_peers):
         results[f"{model} {recipe} {mode}"] = r = measure(model, recipe, mode, args.profile, args.compile)
         rerun = f", a later run's {r['rerun_first_step_s']:.1f} s" if mode == "compiled" else ""
         print(f"{model} {recipe} {mode}: {r['ms']:.2f} ms, first step {r['first_step_s']:.1f} s{rerun}",

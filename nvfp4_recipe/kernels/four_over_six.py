@@ -7,10 +7,16 @@ without 4/6 compiles to the code it had before. With it, each block (or 16x16 ti
 of the candidate (map to 4 or to 6) whose RN error is smaller, and is then quantized as usual (RN
 or SR) under that scale.
 
-Rounding: the divisions by 6 and by 6 x bound are done in fp64 and rounded once to fp32, which is
-the IEEE fp32 quotient (double rounding of a quotient is innocuous from 53 bits), subnormal or not;
-the two places where the compiler could contract a product into the next addition (an FMA rounds
-once where the spec rounds twice) pass the product through a max with 0 first.
+Rounding: the divisions by 6 and by 6 x bound (1536 = 3 * 2**9, 2688 = 21 * 2**7) are divisions
+by D = 3 or 21 and a power of two. :func:`div_exact` gives the IEEE fp32 quotient p / D in fp32
+arithmetic (a product by fp32(1 / D), its exact remainder, one correction): p / D is never within
+ulp / (2 D) of a rounding midpoint, so the corrected quotient is the correctly rounded one (checked
+on every fp32 significand, tests/test_four_over_six.py). The power of two is then exact while the
+quotient is a normal number, which holds for every block of a tensor whose amax lies in
+[2**-100, 2**100] (or is 0); a tensor outside (or a program of per-token rows one of which is)
+takes the fp64 divisions, rounded once to fp32, in a uniform branch. The two places where the
+compiler could contract a product into the next addition (an FMA rounds once where the spec rounds
+twice) pass the product through a max with 0 first.
 """
 
 from typing import Optional
@@ -19,8 +25,12 @@ import triton
 import triton.language as tl
 
 from ..spec import FourOverSix, FourOverSixError
-from .rounding import e2m1_rn, scale_and_encode
+from .rounding import INTERPRETED, e2m1_value, scale_and_encode
 from .tiles import abs_max16
+
+# fp32(1 / 3) and fp32(1 / 21)
+RCP3 = tl.constexpr(0.3333333432674408)
+RCP21 = tl.constexpr(0.0476190485060215)
 
 
 def fos_code(fos: Optional[FourOverSix]) -> int:
@@ -61,21 +71,65 @@ def sum16_in_order(e):
 
 
 @triton.jit
-def candidate_error(y, enc, sf, s_enc, amax, FOS: tl.constexpr):
+def _remainder(p, q0, D: tl.constexpr):
+    """p - D * q0, exact where it is an fp32 number (as in :func:`div_exact`): one FMA on the
+    GPU; the interpreter, whose FMA rounds twice, computes it in fp64 (D * q0 and the difference
+    are exact there)."""
+    if INTERPRETED:
+        return (p.to(tl.float64) - q0.to(tl.float64) * D).to(tl.float32)
+    else:
+        return tl.fma(q0, -D * 1.0, p)
+
+
+@triton.jit
+def div_exact(p, D: tl.constexpr):
+    """The IEEE fp32 quotient p / D (round to nearest even) for D = 3 or 21 and fp32 ``p`` with a
+    normal quotient: q0 = p * fp32(1 / D), its remainder r = p - D * q0 (exact), then
+    q0 + r * fp32(1 / D). Inf or NaN ``p`` gives NaN."""
+    if D == 3:
+        rcp: tl.constexpr = RCP3
+    else:
+        rcp: tl.constexpr = RCP21
+    q0 = p * rcp
+    return q0 + _remainder(p, q0, D) * rcp
+
+
+@triton.jit
+def in_range(amax, like):
+    """Whether every amax (a scalar or a tensor broadcasting against ``like``) is 0 or in
+    [2**-100, 2**100], where the fp32 divisions of :func:`div_exact` give the fp64 path's bits: a
+    scalar, the same in every thread."""
+    ok = ((amax >= 7.888609052210118e-31) & (amax <= 1.2676506002282294e30)) | (amax == 0.0)
+    return tl.min((tl.zeros_like(like) + ok.to(tl.float32)).to(tl.int32)) == 1
+
+
+@triton.jit
+def _bound_quotient(p, FOS: tl.constexpr, FAST: tl.constexpr):
+    """p / (6 * bound) in fp32 (bound = FOS's E4M3 bound, 256 or 448): :func:`div_exact` and an
+    exact power of two when FAST, else the fp64 division rounded once."""
+    if FAST:
+        if FOS - FOS % 4 == 256:
+            return div_exact(p, 3) * 0.001953125  # 1536 = 3 * 2**9
+        else:
+            return div_exact(p, 21) * 0.0078125  # 2688 = 21 * 2**7
+    else:
+        return (p.to(tl.float64) / (6.0 * (FOS - FOS % 4))).to(tl.float32)
+
+
+@triton.jit
+def candidate_error(y, enc, sf, s_enc, amax, FOS: tl.constexpr, FAST: tl.constexpr):
     """The RN error of one candidate for fp32 blocks ``y`` (A, B, 16) with E4M3 scale values
     ``sf`` and encode scales ``enc`` (A, B); ``s_enc`` and ``amax`` broadcast against (A, B).
     Per element, with q the E2M1 value of |y| * enc: ``q * sf * amax / (6 * bound) - |y|``
     (fast math: ``q * sf - |y| * S_enc``), absolute or squared, summed in element order (the
-    signed difference of the spec has the same magnitude). Returns (A, B) fp32."""
+    signed difference of the spec has the same magnitude). FAST: the divisions in fp32
+    (:func:`in_range` holds). Returns (A, B) fp32."""
     a = tl.abs(y)
-    c = e2m1_rn(a * enc[:, :, None]).to(tl.float32, bitcast=True) - 8388608.0  # the code, exact
-    q = tl.maximum(tl.maximum(c * 0.5, c - 2.0), c * 2.0 - 8.0)  # the grid value of code c
-    val = q * sf[:, :, None]  # exact
+    val = e2m1_value(a * enc[:, :, None]) * sf[:, :, None]  # exact
     if FOS & 2:
         d = val - _rounded(a * (tl.zeros_like(enc) + s_enc)[:, :, None])
     else:
-        p = val * (tl.zeros_like(enc) + amax)[:, :, None]
-        d = (p.to(tl.float64) / (6.0 * (FOS - FOS % 4))).to(tl.float32) - a
+        d = _bound_quotient(val * (tl.zeros_like(enc) + amax)[:, :, None], FOS, FAST) - a
     if FOS & 1:
         e = _rounded(d * d)
     else:
@@ -84,10 +138,17 @@ def candidate_error(y, enc, sf, s_enc, amax, FOS: tl.constexpr):
 
 
 @triton.jit
-def candidates(bamax, s_enc, s_dec):
+def candidates(bamax, s_enc, s_dec, FAST: tl.constexpr):
     """Both candidates of blocks with fp32 amax ``bamax``: ``base = (bamax / 6) * S_enc``, map to
-    4 ``scale_and_encode(base * 1.5)`` and map to 6 ``scale_and_encode(base)``, 3 tensors each."""
-    base = (bamax.to(tl.float64) / 6.0).to(tl.float32) * s_enc
+    4 ``scale_and_encode(base * 1.5)`` and map to 6 ``scale_and_encode(base)``, 3 tensors each.
+    FAST (:func:`in_range` holds): bamax / 6 as ``div_exact(bamax, 3) / 2``, which differs from
+    the fp64 quotient only where bamax / 6 is an fp32 subnormal; base then stays below 2**-15,
+    and both candidates' scales are 0 either way."""
+    if FAST:
+        sixth = div_exact(bamax, 3) * 0.5
+    else:
+        sixth = (bamax.to(tl.float64) / 6.0).to(tl.float32)
+    base = sixth * s_enc
     c4, v4, e4 = scale_and_encode(base * 1.5, s_dec)
     c6, v6, e6 = scale_and_encode(base, s_dec)
     return c4, v4, e4, c6, v6, e6
@@ -100,13 +161,25 @@ def pick(map4, c4, v4, e4, c6, v6, e6):
 
 
 @triton.jit
+def _block_scales(y, bamax, s_enc, s_dec, amax, FOS: tl.constexpr, FAST: tl.constexpr):
+    c4, v4, e4, c6, v6, e6 = candidates(bamax, s_enc, s_dec, FAST)
+    map4 = (candidate_error(y, e4, v4, s_enc, amax, FOS, FAST)
+            < candidate_error(y, e6, v6, s_enc, amax, FOS, FAST))
+    return pick(map4, c4, v4, e4, c6, v6, e6)
+
+
+@triton.jit
 def four_over_six_scale(y, s_enc, s_dec, amax, FOS: tl.constexpr):
     """4/6 block scales of fp32 1d blocks ``y`` (A, B, 16): (E4M3 code as int32, its fp32 value,
     the fp32 encode scale), each (A, B), as ``rounding.block_scale`` returns them; map to 4 where
-    its error is strictly smaller (ties keep map to 6)."""
-    c4, v4, e4, c6, v6, e6 = candidates(abs_max16(y), s_enc, s_dec)
-    map4 = candidate_error(y, e4, v4, s_enc, amax, FOS) < candidate_error(y, e6, v6, s_enc, amax, FOS)
-    return pick(map4, c4, v4, e4, c6, v6, e6)
+    its error is strictly smaller (ties keep map to 6). The fp32 divisions where the amaxes
+    allow (:func:`in_range`, a uniform branch), else fp64."""
+    bamax = abs_max16(y)
+    if in_range(amax, bamax):
+        code, value, enc = _block_scales(y, bamax, s_enc, s_dec, amax, FOS, True)
+    else:
+        code, value, enc = _block_scales(y, bamax, s_enc, s_dec, amax, FOS, False)
+    return code, value, enc
 
 
 @triton.jit

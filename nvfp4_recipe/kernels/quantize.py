@@ -33,10 +33,12 @@ from ..operand import NVFP4Operand
 from ..spec import Block, Form, QuantSpec
 from . import amax as A
 from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_tile
-from .four_over_six import candidate_error, candidates, fos_code, four_over_six_scale, pick, tile_sum
+from .four_over_six import (candidate_error, candidates, fos_code, four_over_six_scale, in_range, pick,
+                            tile_sum)
 from .hadamard import rht16
 from .philox import bits16
-from .rounding import RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, outer_scales, round_to
+from .rounding import (RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, e2m1_value, outer_scales,
+                       round_to)
 from .runtime import (Launcher, cdiv, empty, inner_values_supported, interpreting, prune_wide_tiles,
                       scalar, scalar_arg)
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
@@ -48,11 +50,17 @@ IntOrTensor = Union[int, torch.Tensor]
 # Block quantization: (A, B, 16) fp32 blocks along the register axis -> packed codes or inner values
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def nibbles(v, bits, SR: tl.constexpr):
-    """(code magnitudes + offset, sign bits) of scaled values ``v``, uint32 tensors shaped like v.
+def sign_bits(v):
+    """The sign bits of fp32 ``v`` + 0 as uint32 0 or 1: v < 0 for every non-NaN v, -0.0 giving +0
+    as ``formats.e2m1_encode_rn`` takes it (adding +0 turns -0.0 into +0.0, and folds into the FMA
+    that makes v). A NaN's bit is its own: callers zero or mask NaN blocks."""
+    return (v + 0.0).to(tl.uint32, bitcast=True) >> 31
 
-    The sign is set for v < 0 (so -0.0 and NaN give +0), as ``formats.e2m1_encode_rn`` takes it.
-    """
+
+@triton.jit
+def nibbles(v, bits, SR: tl.constexpr):
+    """(code magnitudes + offset, sign bits) of scaled values ``v``, uint32 tensors shaped like v
+    (:func:`sign_bits`)."""
     if SR:
         c = e2m1_sr(v, bits)
     else:
@@ -63,7 +71,7 @@ def nibbles(v, bits, SR: tl.constexpr):
 @triton.jit
 def finish_half(code, sign, bad, SR: tl.constexpr):
     """A uint32 word of 8 packed nibbles from the base-16 sums of their codes (with offsets) and
-    of their sign bits; ``bad`` zeroes the magnitudes of blocks with a NaN encode scale."""
+    of their sign bits; ``bad`` zeroes blocks with a NaN encode scale, signs included."""
     OFFSET: tl.constexpr = SR_OFFSET if SR else RN_OFFSET
     return tl.where(bad, 0, code - ((OFFSET * 0x11111111) & 0xFFFFFFFF)) + sign * 8
 
@@ -79,7 +87,7 @@ def finish_words(code, sign, bad, SR: tl.constexpr):
 def encode16(v, bits, bad, mul16, SR: tl.constexpr):
     """E2M1 codes of scaled block values ``v`` (A, B, 16), packed into (A, B) uint64 words.
 
-    bad: (A, B) true for blocks with a NaN encode scale (non-finite data): magnitudes 0.
+    bad: (A, B) true for blocks with a NaN encode scale (non-finite data): all codes 0.
     bits: SR randoms shaped like v (SR only).
     """
     c, s = nibbles(v, bits, SR)
@@ -93,14 +101,22 @@ def inner16(v, bits, scale, mul16, SR: tl.constexpr):
     ``dequantize.dequantize_inner`` gives for the codes :func:`encode16` writes (NaN for a NaN
     scale).
 
-    A code (s e1 e0 m) becomes the E4M3 byte (s 0 0 e1 e0 m 0 0), worth value * 2**-6, which the
-    conversion to fp16 (hardware on sm89+) and one fp16 multiply by scale * 64 finish, exactly
-    (0 or 2**-10 ... 2688, at most 6 significant bits); the code offsets times 4 vanish mod 256.
+    RN: the E2M1 value in one rounding (``rounding.e2m1_value``) times the scale, exact in fp32,
+    with v's sign bit (:func:`sign_bits`), converted to fp16 (exact: 0 or 2**-10 ... 2688, at
+    most 6 significant bits). SR: a code (s e1 e0 m) becomes the E4M3 byte (s 0 0 e1 e0 m 0 0),
+    worth value * 2**-6, which the conversion to fp16 (hardware on sm89+) and one fp16 multiply
+    by scale * 64 finish, exactly; the code offsets times 4 vanish mod 256.
     """
-    mul4 = mul16 // 4
-    c, s = nibbles(v, bits, SR)
-    e4m3 = (c * mul4 + s * (mul4 * 32)).to(tl.uint8)
-    return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16) * (scale * 64.0).to(tl.float16)[:, :, None]
+    if SR:
+        mul4 = mul16 // 4
+        c, s = nibbles(v, bits, SR)
+        e4m3 = (c * mul4 + s * (mul4 * 32)).to(tl.uint8)
+        return (e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                * (scale * 64.0).to(tl.float16)[:, :, None])
+    else:
+        q = e2m1_value(tl.abs(v)) * scale[:, :, None]
+        signed = q.to(tl.uint32, bitcast=True) | (sign_bits(v) << 31)
+        return signed.to(tl.float32, bitcast=True).to(tl.float16)
 
 
 @triton.jit
@@ -350,17 +366,27 @@ def _row_blocks_of(t, BB: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _tile_scales(rows, tile_amax, s_enc, s_dec, amax, FOS: tl.constexpr, FAST: tl.constexpr,
+                 BB: tl.constexpr, BC: tl.constexpr):
+    c4, v4, e4, c6, v6, e6 = candidates(tile_amax, s_enc, s_dec, FAST)
+    err4 = candidate_error(rows, _row_blocks_of(e4, BB, BC), _row_blocks_of(v4, BB, BC), s_enc,
+                           amax, FOS, FAST)
+    err6 = candidate_error(rows, _row_blocks_of(e6, BB, BC), _row_blocks_of(v6, BB, BC), s_enc,
+                           amax, FOS, FAST)
+    return pick(tile_sum(err4, BB, BC) < tile_sum(err6, BB, BC), c4, v4, e4, c6, v6, e6)
+
+
+@triton.jit
 def _four_over_six_tiles(rows, tile_amax, s_enc, s_dec, amax, FOS: tl.constexpr, BB: tl.constexpr,
                          BC: tl.constexpr):
     """4/6 scales of (BB, BC) 16x16 tiles (``four_over_six.four_over_six_scale`` with each
     candidate's error summed over the tile's 16 row blocks ``rows`` (16 BB, BC, 16) fp32, in
     TE's tree order): (code, value, encode scale), each (BB, BC)."""
-    c4, v4, e4, c6, v6, e6 = candidates(tile_amax, s_enc, s_dec)
-    err4 = candidate_error(rows, _row_blocks_of(e4, BB, BC), _row_blocks_of(v4, BB, BC), s_enc,
-                           amax, FOS)
-    err6 = candidate_error(rows, _row_blocks_of(e6, BB, BC), _row_blocks_of(v6, BB, BC), s_enc,
-                           amax, FOS)
-    return pick(tile_sum(err4, BB, BC) < tile_sum(err6, BB, BC), c4, v4, e4, c6, v6, e6)
+    if in_range(amax, tile_amax):
+        code, value, enc = _tile_scales(rows, tile_amax, s_enc, s_dec, amax, FOS, True, BB, BC)
+    else:
+        code, value, enc = _tile_scales(rows, tile_amax, s_enc, s_dec, amax, FOS, False, BB, BC)
+    return code, value, enc
 
 
 @triton.jit

@@ -8,12 +8,18 @@ an fp32 subnormal, done in fp64 or on scaled operands (the division may flush su
 
 The elementwise code is arranged for Hopper's pipes: integer/logic/compare/min-max instructions
 issue at half the rate of fp32 add/multiply/FMA and integer multiply-add, conversions at a quarter.
+Compiled for a GPU, the E4M3 and bf16 roundings use the hardware's round-to-nearest conversions
+(``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.bf16x2.f32``: one instruction for two values); under the
+interpreter (``INTERPRETED``), whose casts truncate, the same roundings by bit operations.
 """
+
+import os
 
 import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # as triton.jit reads it
 
 
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1 / 6), TE's reciprocal(6.0)
@@ -46,11 +52,25 @@ def outer_scales(amax, mult, MULT: tl.constexpr, FOS: tl.constexpr = 0):
     else:
         s_enc = div_rn(tl.zeros_like(amax) + 2688.0, amax)
     s_enc = tl.where(s_enc > FLT_MAX, FLT_MAX, s_enc)  # NaN passes, as torch.clamp
-    s_dec = (1.0 / s_enc.to(tl.float64)).to(tl.float32)  # fp64 "/" is IEEE division
+    s_dec = reciprocal(s_enc)
     if FOS:
         return s_enc, s_dec, amax
     else:
         return s_enc * ONE_SIXTH, s_dec, amax
+
+
+@triton.jit
+def reciprocal(s):
+    """1 / s of fp32 ``s`` >= 0 (or NaN), round to nearest even, subnormal results included. The
+    fp32 :func:`rcp_rn` is exact while the result is normal (s below 2**126: every amax above
+    about 2**-114); beyond, all threads take the fp64 division (``/`` is IEEE division in fp64),
+    which rounds a subnormal quotient once. A uniform branch: the fp64 code costs nothing where
+    it is not taken."""
+    if tl.max(s + tl.zeros((1,), tl.float32)) < 8.507059173023462e37:  # 2**126 (NaN: fp64 path)
+        r = rcp_rn(s)
+    else:
+        r = (1.0 / s.to(tl.float64)).to(tl.float32)
+    return r
 
 
 @triton.jit
@@ -60,12 +80,20 @@ def e4m3_rne(s):
     Returns (code, value): the float8_e4m3fn bit pattern as int32 and its exact fp32 value. Below
     2**-6 the code is the subnormal k * 2**-9 with k = RNE(s * 2**9) (0 for s <= 2**-10).
     NaN gives code 0x7F | sign and the value torch's E4M3 -> fp32 cast gives (sign | 0x7FF00000).
+    On a GPU the hardware conversion rounds (saturating finite values at 448, which s never
+    exceeds), and only NaN is patched.
     """
     b = s.to(tl.int32, bitcast=True)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    if not INTERPRETED:
+        f8 = s.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        code = tl.where(nan, ((b >> 24) & 0x80) | 0x7F, f8.to(tl.uint8, bitcast=True).to(tl.int32))
+        value = tl.where(nan, ((b & -0x80000000) | 0x7FF00000).to(tl.float32, bitcast=True),
+                         f8.to(tl.float32))
+        return code, value
     r = (b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000  # keep 3 mantissa bits, ties to even
     k = s * 512.0 + 8388608.0  # 2**23 + RNE(s * 2**9): one rounding, the product is exact
     sub = b < 0x3C800000  # s < 2**-6
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
     code = tl.where(sub, k.to(tl.int32, bitcast=True) - 0x4B000000,
                     (r >> 20) - 960)  # 960 = (127 - 7) << 3
     value = tl.where(sub, (k - 8388608.0) * 0.001953125, r.to(tl.float32, bitcast=True))
@@ -133,6 +161,18 @@ def e2m1_rn(v):
 
 
 @triton.jit
+def e2m1_value(a):
+    """The E2M1 grid value nearest to min(a, 6) for fp32 ``a`` >= 0, ties to the even code, in
+    one rounding: (a + M) - M with M = 2**(22 + max(E, 0)) for a in [2**E, 2**(E + 1)), whose
+    ulp is the grid's spacing there (0.5 below 2, 1 up to 4, 2 up to 6) and whose even
+    significands are the grid's even codes. Equals ``decode(e2m1_rn(a))`` on [0, 8]."""
+    a = tl.minimum(a, 6.0)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    m = (e + (22 << 23)).to(tl.float32, bitcast=True)
+    return (a + m) - m
+
+
+@triton.jit
 def e2m1_sr(v, r):
     """E2M1 stochastic-rounding code of min(|v|, 6) (plus SR_OFFSET = 0) for 8-bit randoms ``r``
     (uint32 in [0, 256)): TE's rule (``reference.round_sr``), t = a + (r / 256) * step(a) in fp32,
@@ -158,7 +198,9 @@ def round_to(y, dtype: tl.constexpr):
     """fp32 ``y`` rounded to the precision of ``dtype`` (nearest even), as fp32: bf16 by bit
     operations (the interpreter truncates fp32 -> bf16 casts; NaN and Inf are kept), fp16 by
     a cast (exact on both), fp32 unchanged. The transformed RHT operand is rounded so (item 7)."""
-    if dtype == tl.bfloat16:
+    if dtype == tl.bfloat16 and not INTERPRETED:
+        return y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    elif dtype == tl.bfloat16:
         b = y.to(tl.uint32, bitcast=True)
         return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     elif dtype == tl.float16:
