@@ -33,6 +33,17 @@ RCP3 = tl.constexpr(0.3333333432674408)
 RCP21 = tl.constexpr(0.0476190485060215)
 
 
+def lead_tile(*flags: str):
+    """An autotuner ``lead`` (``runtime.prune_wide_tiles``) for a quantize kernel whose 4/6
+    constexprs are ``flags``: with 4/6 on any copy, the (2, 4) tile of 16x16 blocks with 4 warps
+    first, which tuning chose for every 4/6 pair and 2d launch of the GPU preset model on an H200
+    (the kernels' first config, a wider tile, ran the 4/6 step 1.3x slower untuned)."""
+    def lead(config, args) -> bool:
+        return (any(args[f] for f in flags)
+                and (config.kwargs["BB"], config.kwargs["BC"], config.num_warps) == (2, 4, 4))
+    return lead
+
+
 def fos_code(fos: Optional[FourOverSix]) -> int:
     """The FOS constexpr of a copy: 0 without 4/6, else its E4M3 bound (256 or 448) + 1 for the
     MSE + 2 for fast math."""

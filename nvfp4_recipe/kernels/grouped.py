@@ -42,7 +42,7 @@ from ..spec import Block, Form, QuantSpec
 from .amax import _configs as _amax_configs
 from .amax import block_max_bits, check_matrix, rht_block_max_bits
 from .dequantize import dequantize_inner
-from .four_over_six import fos_code
+from .four_over_six import fos_code, lead_tile
 from .gemm import OUT_DTYPES, _epilogue, _kernel_out, _mma, _tile_pid
 from .hadamard import rht16
 from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
@@ -67,7 +67,10 @@ def _configs():
             for bb, bc, nw in ((2, 8, 4), (2, 4, 4), (4, 8, 4), (4, 8, 8))]
 
 
-_PRUNE = {"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])}
+def _prune(*fos_flags: str) -> dict:
+    """The autotuner's pruning of a kernel whose 4/6 constexprs are ``fos_flags``."""
+    return {"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"],
+                                                   lead_tile(*fos_flags))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def _fold_groups(acc, m, g, GP: tl.constexpr):
 
 
 @triton.autotune(configs=_amax_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "GP"],
-                 prune_configs_by=_PRUNE)
+                 prune_configs_by=_prune())
 @triton.jit
 def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, out_ptr, col_off,
                          ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
@@ -216,7 +219,7 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
                                            "ROW_INNER", "COL", "COL_RHT", "COL_SR",
                                            "COL_PER_TOKEN", "COL_MULT", "COL_INNER", "ROW_FOS",
                                            "COL_FOS", "DEQ", "D_R", "D_KB"],
-                 prune_configs_by=_PRUNE)
+                 prune_configs_by=_prune("ROW_FOS", "COL_FOS"))
 @triton.jit
 def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, seed_arg,
                              mul16, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -411,7 +414,7 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
 # Expert weights
 # ----------------------------------------------------------------------------------------------
 @triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER", "FOS"],
-                 prune_configs_by=_PRUNE)
+                 prune_configs_by=_prune("FOS"))
 @triton.jit
 def _experts_2d_kernel(w_ptr, N, K, stride_g, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg,
                        mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,

@@ -33,8 +33,8 @@ from ..operand import NVFP4Operand
 from ..spec import Block, Form, QuantSpec
 from . import amax as A
 from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_tile
-from .four_over_six import (candidate_error, candidates, fos_code, four_over_six_scale, in_range, pick,
-                            tile_sum)
+from .four_over_six import (candidate_error, candidates, fos_code, four_over_six_scale, in_range,
+                            lead_tile, pick, tile_sum)
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import (RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, e2m1_value, outer_scales,
@@ -245,7 +245,8 @@ def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, 
                                            "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
                                            "COL_MULT", "COL_INNER", "ROW_FOS", "COL_FOS", "DEQ",
                                            "D_R", "D_KB"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(
+                     lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_FOS", "COL_FOS"))})
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -346,7 +347,8 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
 # ----------------------------------------------------------------------------------------------
 @triton.autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER",
                                                        "FOS"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"])})
+                 prune_configs_by={"early_config_prune": prune_wide_tiles(
+                     lambda c: 16 * c.kwargs["BC"], lead_tile("FOS"))})
 @triton.jit
 def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,
                         q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
