@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .hadamard import hadamard16, hadamard16_abs_max
 from .rounding import abs_bits, round_to
-from .runtime import Launcher, cdiv, interpreting, num_sms, prune_wide_tiles
+from .runtime import Launcher, autotune, cdiv, interpreting, num_sms, prune_wide_tiles
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks
 
 NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
@@ -30,7 +30,7 @@ NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
 def _configs():
     """(BB, BC) = a tile in 16 x 16 blocks, P = programs per SM of the persistent grid. The first
     measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
-    on an H200 and is the only one with NVFP4_AUTOTUNE=0 (:func:`_lead` puts another first for
+    on an H200 and is the only one without NVFP4_AUTOTUNE=1 (:func:`_lead` puts another first for
     per-index maxima); narrower tiles for small K (see ``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]
@@ -129,8 +129,8 @@ def _fold(acc):
     return tl.max(tl.max(acc, axis=1), axis=0)
 
 
-@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "ROW_RHT"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], _lead)})
+@autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "ROW_RHT"],
+          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], _lead))
 @triton.jit
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
                  ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,

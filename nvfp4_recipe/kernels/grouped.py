@@ -48,8 +48,8 @@ from .hadamard import rht16
 from .quantize import (_finished, _pointers, _quantize_store, _u32, check_inner, dequantize_job,
                        empty_2d, empty_copy, quantize_2d_tile, ride_dequantize)
 from .rounding import abs_bits, outer_scales, round_to
-from .runtime import (Launcher, capability, cdiv, check_runnable, interpreting, next_pow2, num_sms,
-                      prune_wide_tiles, scalar, scalar_arg)
+from .runtime import (Launcher, autotune, capability, cdiv, check_runnable, interpreting, next_pow2,
+                      num_sms, prune_wide_tiles, scalar, scalar_arg)
 from .tiles import load_col_blocks, load_row_blocks
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -67,10 +67,9 @@ def _configs():
             for bb, bc, nw in ((2, 8, 4), (2, 4, 4), (4, 8, 4), (4, 8, 8))]
 
 
-def _prune(*fos_flags: str) -> dict:
+def _prune(*fos_flags: str):
     """The autotuner's pruning of a kernel whose 4/6 constexprs are ``fos_flags``."""
-    return {"early_config_prune": prune_wide_tiles(lambda c: 16 * c.kwargs["BC"],
-                                                   lead_tile(*fos_flags))}
+    return prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile(*fos_flags))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,8 +114,7 @@ def _fold_groups(acc, m, g, GP: tl.constexpr):
     return tl.maximum(acc, tl.max(tl.where(hit, m[:, None], 0), axis=0))
 
 
-@triton.autotune(configs=_amax_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "GP"],
-                 prune_configs_by=_prune())
+@autotune(configs=_amax_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "GP"], prune=_prune())
 @triton.jit
 def _grouped_amax_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, out_ptr, col_off,
                          ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
@@ -215,11 +213,11 @@ def grouped_amax_pass(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSp
 # ----------------------------------------------------------------------------------------------
 # Quantization of token groups
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
-                                           "ROW_INNER", "COL", "COL_RHT", "COL_SR",
-                                           "COL_PER_TOKEN", "COL_MULT", "COL_INNER", "ROW_FOS",
-                                           "COL_FOS", "DEQ", "D_R", "D_KB"],
-                 prune_configs_by=_prune("ROW_FOS", "COL_FOS"))
+@autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
+                                    "ROW_INNER", "COL", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
+                                    "COL_MULT", "COL_INNER", "ROW_FOS", "COL_FOS", "DEQ", "D_R",
+                                    "D_KB"],
+          prune=_prune("ROW_FOS", "COL_FOS"))
 @triton.jit
 def _quantize_grouped_kernel(x_ptr, M, K, stride_m, stride_k, offs_ptr, G, signs_ptr, seed_arg,
                              mul16, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -413,8 +411,8 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, row: Optional[QuantSpe
 # ----------------------------------------------------------------------------------------------
 # Expert weights
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER", "FOS"],
-                 prune_configs_by=_prune("FOS"))
+@autotune(configs=_configs(), key=["N", "K", "W", "WT", "SR", "MULT", "INNER", "FOS"],
+          prune=_prune("FOS"))
 @triton.jit
 def _experts_2d_kernel(w_ptr, N, K, stride_g, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg,
                        mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,

@@ -39,8 +39,8 @@ from .hadamard import rht16
 from .philox import bits16
 from .rounding import (RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, e2m1_value, outer_scales,
                        round_to)
-from .runtime import (Launcher, cdiv, empty, inner_values_supported, interpreting, prune_wide_tiles,
-                      scalar, scalar_arg)
+from .runtime import (Launcher, autotune, cdiv, empty, inner_values_supported, interpreting,
+                      prune_wide_tiles, scalar, scalar_arg)
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks, pack16
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -150,7 +150,7 @@ def _configs(loop: bool = False, lead: Optional[Tuple[int, int, int]] = None):
     """Autotuning space: (BB, BC) = a tile in 16 x 16 blocks along M and K; T (``loop``) = tiles
     per program along K (the prefetch loop of ``_quantize_rows_kernel``); ``lead``, the (BB, BC,
     num_warps) to put first. The first config of each list measured fastest at the benchmark shapes
-    on an H200 (``benchmarks/sweep_quantize.py``); it is the only one with NVFP4_AUTOTUNE=0 where
+    on an H200 (``benchmarks/sweep_quantize.py``); it is the only one without NVFP4_AUTOTUNE=1 where
     it fits K (``runtime.prune_wide_tiles``)."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, **({"T": 2} if loop else {})}, num_warps=1)]
@@ -241,12 +241,10 @@ def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, 
                     amax, seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, INNER, FOS)
 
 
-@triton.autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
-                                           "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
-                                           "COL_MULT", "COL_INNER", "ROW_FOS", "COL_FOS", "DEQ",
-                                           "D_R", "D_KB"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(
-                     lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_FOS", "COL_FOS"))})
+@autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
+                                    "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN", "COL_MULT",
+                                    "COL_INNER", "ROW_FOS", "COL_FOS", "DEQ", "D_R", "D_KB"],
+          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_FOS", "COL_FOS")))
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
                         rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
@@ -305,10 +303,9 @@ def ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s,
         store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
 
 
-@triton.autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER", "RHT",
-                                                   "FOS"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(
-                     lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"])})
+@autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER", "RHT",
+                                             "FOS"],
+          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"]))
 @triton.jit
 def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16, q_ptr,
                           s_ptr, o_ptr, amax_ptr, mult, off_arg, SR: tl.constexpr,
@@ -345,10 +342,9 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
 # ----------------------------------------------------------------------------------------------
 # 2D kernel
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER",
-                                                       "FOS"],
-                 prune_configs_by={"early_config_prune": prune_wide_tiles(
-                     lambda c: 16 * c.kwargs["BC"], lead_tile("FOS"))})
+@autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER",
+                                                  "FOS"],
+          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("FOS")))
 @triton.jit
 def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,
                         q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,

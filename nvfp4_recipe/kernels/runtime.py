@@ -11,6 +11,7 @@ Imports nothing from the package, and changes nothing outside it at import.
 """
 
 import functools
+import inspect
 import logging
 import os
 import re
@@ -90,20 +91,40 @@ def check_runnable(device: torch.device) -> None:
                          f"them in the Triton interpreter), got tensors on {device}")
 
 
+def tuning() -> bool:
+    """Whether the quantize and amax kernels try their tile configs at a shape's first launch
+    (``NVFP4_AUTOTUNE=1``). By default each launch takes the first config that fits (the lists
+    lead with those measured fastest on an H200): the same step times, and a first step without
+    a compile and a timing run per config."""
+    return os.environ.get("NVFP4_AUTOTUNE") == "1"
+
+
+def autotune(configs, key, prune):
+    """``triton.autotune(configs, key, prune_configs_by={"early_config_prune": prune})``, with
+    the tuned configs cached on disk across processes (``cache_results``, where this Triton has
+    it), so that a later run with NVFP4_AUTOTUNE=1 tunes nothing twice."""
+    cache = {"cache_results": True} if "cache_results" in _AUTOTUNE_PARAMS else {}
+    return triton.autotune(configs=configs, key=key,
+                           prune_configs_by={"early_config_prune": prune}, **cache)
+
+
+_AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters
+
+
 def prune_wide_tiles(tile_cols, lead=None):
     """An autotune ``early_config_prune``: drops the configs whose tile spans more columns
     (``tile_cols(config)``) than the matrix's K rounded up to a power of two (at least 128), whose
     lanes would mostly be masked off (e.g. K = 512 in a small model), keeping at least the last
-    config; with NVFP4_AUTOTUNE=0 keeps only the first survivor (no tuning runs). ``lead(config,
-    args)``, given, moves the configs it holds true for to the front for a launch's arguments
-    (positional and keyword, by name): a first config for one mode of a kernel."""
+    config; keeps only the first survivor unless :func:`tuning`. ``lead(config, args)``, given,
+    moves the configs it holds true for to the front for a launch's arguments (positional and
+    keyword, by name): a first config for one mode of a kernel."""
     def prune(configs, named_args, **kwargs):
         if lead is not None:
             args = {**named_args, **kwargs}
             configs = sorted(configs, key=lambda c: not lead(c, args))  # stable
         width = max(128, next_pow2(named_args["K"]))
         fit = [c for c in configs if tile_cols(c) <= width] or list(configs[-1:])
-        return fit[:1] if os.environ.get("NVFP4_AUTOTUNE") == "0" else fit
+        return fit if tuning() else fit[:1]
     return prune
 
 
