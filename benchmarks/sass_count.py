@@ -30,6 +30,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from nvfp4_recipe.kernels import amax as A
+from nvfp4_recipe.kernels import grouped as G
 from nvfp4_recipe.kernels import quantize as Q
 from nvfp4_recipe.kernels.four_over_six import fos_code
 from nvfp4_recipe.spec import FourOverSix
@@ -60,9 +62,9 @@ class Variant:
         return 256 * c["BB"] * c["BC"]  # a loop kernel's main path holds one tile's body
 
 
-def pair(**on) -> Variant:
+def pair(kernel=Q._quantize_1d_kernel, **on) -> Variant:
     consts = {**PAIR_OFF, **on}
-    return Variant(Q._quantize_1d_kernel, consts, {"r": consts["ROW_INNER"], "c": consts["COL_INNER"]})
+    return Variant(kernel, consts, {"r": consts["ROW_INNER"], "c": consts["COL_INNER"]})
 
 
 ACT = dict(ROW=True, ROW_INNER=True, COL_RHT=True)  # fprop X inner + wgrad X^T RHT codes
@@ -80,6 +82,13 @@ VARIANTS = {
     "2d weight W + W^T": Variant(Q._quantize_2d_kernel, dict(W2D_OFF)),
     "2d weight W inner + W^T": Variant(Q._quantize_2d_kernel, {**W2D_OFF, "INNER": True}, {"": True}),
     "4/6 2d weight W + W^T": Variant(Q._quantize_2d_kernel, {**W2D_OFF, "FOS": MAE_256}),
+    "grouped activation pair (MoE tokens)": pair(G._quantize_grouped_kernel, COL=True, **ACT),
+    "grouped gradient pair (MoE tokens)": pair(G._quantize_grouped_kernel, COL=True, **GRAD),
+    "experts 2d weight W inner + W^T": Variant(G._experts_2d_kernel, {**W2D_OFF, "INNER": True},
+                                               {"": True}),
+    "amax + RHT amax of X^T (one pass; one tile)": Variant(
+        A._amax_kernel, dict(ROW=A.TENSOR, COL=A.TENSOR, COL_RHT=True, ROW_RHT=False, BB=2, BC=16,
+                             P=4)),
 }
 
 
@@ -88,7 +97,7 @@ def _type(name: str, inner: Dict[str, bool]) -> str:
     inner-value outputs, int64 views of packed codes, uint8 scales)."""
     fixed = {"x_ptr": "*bf16", "w_ptr": "*bf16", "signs_ptr": "*fp32", "dq_ptr": "*u8",
              "ds_ptr": "*u8", "dout_ptr": "*fp16", "mult": "fp32", "r_mult": "fp32",
-             "c_mult": "fp32"}
+             "c_mult": "fp32", "offs_ptr": "*i32"}
     if name in fixed:
         return fixed[name]
     if name.endswith("_arg"):
