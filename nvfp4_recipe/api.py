@@ -29,6 +29,7 @@ from .backends import get_backend
 from .blocks import repeated_blocks
 from .conv1d import NVFP4Conv1D, features, is_conv1d
 from .formats import BLOCK
+from .fused import attach_groups
 from .layer import NVFP4Module
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
@@ -296,7 +297,9 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
     (torchtitan's ``GroupedExperts``, Hugging Face's batched experts; ``moe.register_experts``),
     which becomes an ``moe.NVFP4Experts``. The weight and bias Parameters are kept (an optimizer
     built before the swap still updates them); each layer gets its own SR stream from
-    ``recipe.seed`` and its name.
+    ``recipe.seed`` and its name. The NVFP4Linear layers of each fused projection group (q/k/v,
+    gate/up: ``fused.GROUPS``) get the group (``fused.attach_groups``), whose shared weight amax
+    they use while ``recipe.shared_weight_amax`` is on.
 
     It logs one line: how many layers are in NVFP4 and each module kept in high precision with
     why (see :func:`skip_reasons`), at WARNING when a module is kept or nothing is in NVFP4, at
@@ -340,6 +343,10 @@ def quantize_(model: nn.Module, recipe: Optional[NVFP4Recipe] = None,
                 setattr(parent, name, swapped[id(child)])
     model = swapped.get(id(model), model)
     model.nvfp4_kept = kept
+    groups = attach_groups(model)
+    if groups and recipe.shared_weight_amax:
+        log.info("quantize_: %d fused projection groups (q/k/v, gate/up) share a weight amax "
+                 "(NVFP4Recipe.shared_weight_amax)", groups)
     _report(model, kept)
     return model
 

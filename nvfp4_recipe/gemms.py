@@ -30,9 +30,9 @@ from .backends import Backend, resolved
 from .backends.grouped import expert_rows
 from .layer import autocast_off, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
-from .quantizers import Quantizers, TensorQuantizer, Usage
+from .quantizers import OperandQuantizer, Quantizers, TensorQuantizer, Usage
 from .recipe import NVFP4Recipe
-from .spec import Override
+from .spec import Block, Override
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard
 
@@ -49,8 +49,25 @@ def weight_operands(be: Backend, weight: torch.Tensor, q: TensorQuantizer,
     if isinstance(weight, NVFP4Tensor):
         w = weight.operand
         return be.prepare(w), R.transpose_2d(w) if need_t else None
+    if q.rowwise.amax is not None and torch.compiler.is_compiling():
+        return _given_amax_weights(be, weight, q.rowwise, need_t)
     return be.prepare_weight(weight, q.rowwise.spec, need_t=need_t,
-                             amax_reduce=q.rowwise.amax_reduce)
+                             amax_reduce=quantizers.amax_reducer(q.rowwise))
+
+
+def _given_amax_weights(be: Backend, weight: torch.Tensor, q: OperandQuantizer, need_t: bool,
+                        ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
+    """:func:`weight_operands` with the amax ``q.amax`` (a fused group's) while torch.compile
+    traces, where the backend's ``amax_reduce`` (a callable) cannot cross the operator boundary:
+    ``reference.quantize`` with that amax (every backend's bits), traced as plain torch ops, W
+    made ready by ``be.prepare``; W^T the exact transpose (2d) or W^T quantized with the same
+    amax (1d), as ``prepare_weight`` makes them."""
+    w = R.quantize(weight, q.spec, amax_=q.amax)
+    wt = None
+    if need_t:
+        wt = R.transpose_2d(w) if q.spec.block is Block.D2 else R.quantize(weight.t(), q.spec,
+                                                                           amax_=q.amax)
+    return be.prepare(w), wt
 
 
 def _pair_arguments(q: TensorQuantizer, next_b: Optional[NVFP4Operand]) -> dict:
@@ -82,9 +99,13 @@ class Dense(NamedTuple):
             the amaxes of sharded operands are reduced over the group, so each shard is quantized
             as the whole tensor is, and an SR operand's counters are shifted past the other
             shards' blocks.
+        weight_amax: None, or the fp32 0-d amax W is quantized with instead of its own (a fused
+            group's shared amax, ``NVFP4Linear.shared_weight_amax``), which
+            :func:`quantizers.build` reads.
     """
 
     shard: Optional[TensorParallelShard] = None
+    weight_amax: Optional[torch.Tensor] = None
     offs = None  # one group (``high_precision``'s convention)
 
     @staticmethod
@@ -151,6 +172,7 @@ class Grouped(NamedTuple):
     offs: torch.Tensor
 
     shard = None  # the experts are not tensor parallel (a class attribute, not a field)
+    weight_amax = None  # each expert's weight has its own amax
 
     @staticmethod
     def weights(be: Backend, w: torch.Tensor, q: TensorQuantizer,
@@ -285,7 +307,7 @@ class GemmsFn(torch.autograd.Function):
         override = recipe.backward_override
         q = quantizers.build(recipe, signs, Usage(need_dx and not override, need_dw and not override,
                                                   keep=override is Override.DEQUANTIZED),
-                             layout.shard)
+                             layout.shard, weight_amax=layout.weight_amax)
         y, wt, xt, kept = fprop(layout, resolved(backend), x, w, bias, q, out_dtype)
         # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
         # backward advances sr_step, which a saved tensor's version check would refuse when the

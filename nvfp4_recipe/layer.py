@@ -242,17 +242,19 @@ class NVFP4Module(nn.Module):
         return f"recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
 
     def cached_operand(self, name: str, weight: torch.Tensor, backend: str,
-                       make: Callable[[], NVFP4Operand]) -> Optional[NVFP4Operand]:
+                       make: Callable[[], NVFP4Operand], depends: tuple = ()) -> Optional[NVFP4Operand]:
         """Weight ``name`` quantized for fprop by ``make()``, kept inside :func:`cached_weights`
-        (made again for another weight tensor, version or backend), or None where the cache does
-        not apply (outside the context, while tracing or capturing a CUDA graph)."""
+        (made again for another weight tensor, version, backend or ``depends``: what else the
+        quantization reads, e.g. the versions of a fused group's weights), or None where the
+        cache does not apply (outside the context, while tracing or capturing a CUDA graph)."""
         if torch.compiler.is_compiling() or tracing():  # first: Dynamo cannot trace a ContextVar
             return None
         modules = _CACHING.get()
         if modules is None or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None
         hit = self._weight_cache.get(name)
-        if hit is None or hit[0] is not weight or hit[1:3] != (weight._version, backend):
-            hit = self._weight_cache[name] = (weight, weight._version, backend, make())
+        key = (weight._version, backend, depends)
+        if hit is None or hit[0] is not weight or hit[1:4] != key:
+            hit = self._weight_cache[name] = (weight, *key, make())
             modules.add(self)
-        return hit[3]
+        return hit[4]

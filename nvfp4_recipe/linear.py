@@ -22,7 +22,6 @@ from .layer import (NVFP4Module, autocast_off, backend_name, local, nvfp4_operan
 from .operand import NVFP4Operand
 from .quantizers import Usage
 from .recipe import NVFP4Recipe
-from .spec import GemmRole
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
@@ -33,6 +32,7 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
                  need_xt: bool, shard: Optional[TensorParallelShard] = None,
                  w: Optional[NVFP4Operand] = None, keep: bool = False,
+                 weight_amax: Optional[torch.Tensor] = None,
                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[tuple]]:
     """fprop of an NVFP4 linear, :func:`gemms.fprop` of the :class:`gemms.Dense` layout:
     ``Y = Q(X) @ Q(W)^T + bias``.
@@ -43,12 +43,15 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
         shard: None, or the tensor-parallel layout of these local shards (``Dense.shard``).
         w: W as ``be.prepare_weight`` made it for fprop (:func:`cached_weights`), or None to
             quantize ``weight`` here; only without need_wt.
+        weight_amax: None, or the fp32 0-d amax W is quantized with (a fused group's,
+            :meth:`NVFP4Linear.shared_weight_amax`).
         Others: as :func:`gemms.fprop`.
     Returns:
         (Y (M, N) of ``out_dtype``, W^T (K, N) or None, X^T (K, M) or None, (X, W) operands or
         None).
     """
-    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep), shard)
+    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep), shard,
+                         weight_amax=weight_amax)
     return gemms.fprop(_dense(shard), be, x, weight, bias, q, out_dtype, w)
 
 
@@ -73,9 +76,13 @@ _DENSE = gemms.Dense()
 _EVERY_COPY = Usage(dgrad=True, wgrad=True)  # what inspect records: every operand of every GEMM
 
 
-def _dense(shard: Optional[TensorParallelShard]) -> gemms.Dense:
-    """The dense layout of a layer, or of its tensor-parallel ``shard``."""
-    return _DENSE if shard is None else gemms.Dense(shard)
+def _dense(shard: Optional[TensorParallelShard],
+           weight_amax: Optional[torch.Tensor] = None) -> gemms.Dense:
+    """The dense layout of a layer, or of its tensor-parallel ``shard``, W quantized with
+    ``weight_amax`` where given (a fused group's)."""
+    if shard is None and weight_amax is None:
+        return _DENSE
+    return gemms.Dense(shard, weight_amax)
 
 
 def _check_tokens(x2: torch.Tensor, weight: torch.Tensor, recipe: NVFP4Recipe) -> None:
@@ -135,6 +142,11 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
     (``to_empty``) sets them, so a model built on the meta device and materialized gets the same
     buffers as one built on a real device; a loaded state dict overrides them.
 
+    ``weight_group`` (an attribute, None by default): the ``fused.WeightGroup`` of the fused
+    projections (q/k/v, gate/up) this layer belongs to, which ``quantize_`` attaches; while
+    ``recipe.shared_weight_amax`` is on, W is quantized with the group's shared amax
+    (:meth:`shared_weight_amax`).
+
     ``sr_rank`` (an int attribute, not a buffer, 0 by default): this process's rank among the
     data-parallel ranks, set by ``distributed.set_sr_rank`` so that ranks draw independent SR
     streams. It is neither saved nor broadcast (DDP broadcasts buffers).
@@ -147,6 +159,8 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         ValueError: a feature count not a positive multiple of 16; a token count not a multiple of
             16 in training; a backend that cannot run on the weight's device.
     """
+
+    weight_group = None  # a fused.WeightGroup, set by quantize_
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0):
@@ -189,6 +203,13 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             return tensor_parallel_forward(self, x)
         return self.local_forward(x, self.fprop_weight(), self.bias)
 
+    def shared_weight_amax(self) -> Optional[torch.Tensor]:
+        """The amax fprop quantizes W with in place of its own: the fused group's
+        (``weight_group.amax()``, fp32 0-d) while ``recipe.shared_weight_amax`` is on, else None."""
+        if self.weight_group is None or not self.recipe.shared_weight_amax:
+            return None
+        return self.weight_group.amax()
+
     def fprop_weight(self) -> torch.Tensor:
         """W (out_features, in_features) as fprop's B operand takes it: the ``weight`` Parameter
         here; a layer that stores W^T (``conv1d.NVFP4Conv1D``) returns a transposed view."""
@@ -214,29 +235,40 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             elif training(x, weight, bias):
                 _check_tokens(x2, weight, self.recipe)
                 y = gemms.GemmsFn.apply(x2, weight, bias, signs, self.sr_state(), self.recipe,
-                                        backend, y_dtype, _dense(shard))
+                                        backend, y_dtype, _dense(shard, self.shared_weight_amax()))
             else:
-                # keyed by the Parameter, whose version counter a transposed view shares
-                w = None if shard is not None else self.cached_operand(
-                    "weight", self.weight, backend, lambda: weight_operands(
-                        resolved(backend), weight,
-                        quantizers.build(self.recipe, signs, quantizers.FPROP_ONLY).w)[0])
+                w = None if shard is not None else self._cached_weight(weight, backend, signs)
+                amax = None if w is not None else self.shared_weight_amax()
                 y = linear_fprop(resolved(backend), x2, weight, bias, self.recipe, signs,
-                                 y_dtype, False, False, shard, w)[0]
+                                 y_dtype, False, False, shard, w, False, amax)[0]
             if self.captured is not None and x2.shape[0] and shard is None:
                 self._capture(x2, y, backend)
         # _unsafe_view: the (..., N) result is not a view of the (M, N) GEMM output, as with
         # nn.Linear (aten::matmul), so in-place ops and FSDP2 (which warns on views) take it
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], n))
 
+    def _cached_weight(self, weight: torch.Tensor, backend: str,
+                       signs: torch.Tensor) -> Optional[NVFP4Operand]:
+        """fprop's W kept inside :func:`cached_weights` (``cached_operand``), or None. Keyed by
+        the Parameter, whose version counter a transposed view shares, and by the versions of
+        the fused group's weights, whose amax it reads."""
+        group = () if self.weight_group is None else self.weight_group.versions()
+        return self.cached_operand("weight", self.weight, backend, lambda: weight_operands(
+            resolved(backend), weight, quantizers.build(
+                self.recipe, signs, quantizers.FPROP_ONLY,
+                weight_amax=self.shared_weight_amax()).w)[0], depends=group)
+
     def quantized_weight(self) -> NVFP4Tensor:
-        """The weight as fprop quantizes it (the recipe's W spec, the layer's backend), as an
-        :class:`NVFP4Tensor` of shape (out_features, in_features): for inspection; training
-        quantizes the master weight again on every forward."""
+        """The weight as fprop quantizes it (the recipe's W spec, the fused group's amax where
+        :meth:`shared_weight_amax` gives one, the layer's backend), as an :class:`NVFP4Tensor`
+        of shape (out_features, in_features): for inspection and export; training quantizes the
+        master weight again on every forward."""
         backend = backend_name(self.recipe.backend.value, self.weight.device)
-        spec = self.recipe.spec(GemmRole.W_FPROP)
         with torch.no_grad():
-            op = get_backend(backend, self.weight.device).quantize(self.fprop_weight(), spec)
+            q = quantizers.build(self.recipe, self.rht_signs, quantizers.FPROP_ONLY,
+                                 weight_amax=self.shared_weight_amax()).w.rowwise
+            op = get_backend(backend, self.weight.device).quantize(
+                self.fprop_weight(), q.spec, amax_reduce=quantizers.amax_reducer(q))
         return NVFP4Tensor.from_operand(op, self.weight.dtype, backend=backend)
 
     def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
@@ -249,10 +281,11 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         x2 = x2.detach()
 
         def keep(t, q):  # q: the operand's quantizers.OperandQuantizer
-            op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs)
+            op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
+                             amax_reduce=quantizers.amax_reducer(q))
             return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
 
-        fwd = quantizers.build(r, signs, _EVERY_COPY)
+        fwd = quantizers.build(r, signs, _EVERY_COPY, weight_amax=self.shared_weight_amax())
         with torch.no_grad():
             if "w" in names:
                 rec.store.update(w=keep(self.fprop_weight().detach(), fwd.w.rowwise),

@@ -26,7 +26,7 @@ from .recipe import SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole, QuantSpec
 
 __all__ = ["OperandQuantizer", "TensorQuantizer", "Quantizers", "Usage", "FPROP_ONLY", "build",
-           "inspected"]
+           "amax_reducer", "inspected"]
 
 
 class OperandQuantizer(NamedTuple):
@@ -43,6 +43,9 @@ class OperandQuantizer(NamedTuple):
             sharded operand's amax (``TensorParallelShard.amax_reduce``), or None.
         gemm_only: the copy is used by its GEMM only (neither saved for backward nor returned),
             so a backend may hand it back in another form than codes.
+        amax: None, or the fp32 0-d per-tensor amax to quantize with instead of the operand's own
+            (W only: a fused group's shared weight amax, ``fused.WeightGroup.amax``, already
+            reduced over a tensor-parallel group).
     """
 
     role: GemmRole
@@ -52,6 +55,7 @@ class OperandQuantizer(NamedTuple):
     offset: IntOrTensor
     amax_reduce: AmaxReduce
     gemm_only: bool
+    amax: Optional[torch.Tensor] = None
 
 
 class TensorQuantizer(NamedTuple):
@@ -102,7 +106,8 @@ def _quantizer(recipe: NVFP4Recipe, role: GemmRole, signs: torch.Tensor, shard, 
 
 
 def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
-          dy: Optional[Tuple[int, int]] = None, sr_key: IntOrTensor = 0) -> Quantizers:
+          dy: Optional[Tuple[int, int]] = None, sr_key: IntOrTensor = 0,
+          weight_amax: Optional[torch.Tensor] = None) -> Quantizers:
     """The quantizers of one forward (``dy`` None: X and W) or one backward (``dy`` given: dY).
 
     Args:
@@ -114,6 +119,9 @@ def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
             shards' blocks.
         dy: in backward, dY's local shape (M, N), which the SR shift of a shard depends on.
         sr_key: in backward, the step's SR key (``layer.next_sr_key``).
+        weight_amax: in forward, None or the fp32 0-d amax W is quantized with instead of its
+            own (a fused group's, ``NVFP4Linear.shared_weight_amax``; reduced here over a
+            tensor-parallel ``shard``'s group).
     Returns:
         :class:`Quantizers`.
     """
@@ -132,11 +140,22 @@ def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
     nvfp4 = recipe.forward_override is None
     gemm_only = not (usage.keep and nvfp4)
     w = _quantizer(recipe, GemmRole.W_FPROP, signs, shard, gemm_only=gemm_only)
+    if weight_amax is not None:
+        w = w._replace(amax=w.amax_reduce(weight_amax) if w.amax_reduce else weight_amax)
     x = TensorQuantizer(
         _quantizer(recipe, GemmRole.X_FPROP, signs, shard, gemm_only=gemm_only) if nvfp4 else None,
         _quantizer(recipe, GemmRole.X_WGRAD, signs, shard) if usage.wgrad else None)
     return Quantizers(x, TensorQuantizer(w, w._replace(gemm_only=False) if usage.dgrad else None),
                       None)
+
+
+def amax_reducer(q: OperandQuantizer) -> AmaxReduce:
+    """The ``amax_reduce`` argument of a backend primitive quantizing ``q``'s operand: the given
+    amax where ``q.amax`` is set (the operand's own is dropped), else ``q.amax_reduce``. Eager mode
+    only: a callable cannot cross the operator boundary under torch.compile."""
+    if q.amax is None:
+        return q.amax_reduce
+    return lambda _: q.amax
 
 
 def inspected(q: TensorQuantizer) -> TensorQuantizer:

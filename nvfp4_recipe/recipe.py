@@ -140,6 +140,12 @@ class NVFP4Recipe(AOBaseConfig):
         keep_first_blocks, keep_last_blocks: keep the first / last transformer blocks (the
             model's repeated blocks, ``blocks.repeated_blocks``) in high precision: an int count,
             or a number in (0, 1) for that fraction of the blocks, rounded up.
+        shared_weight_amax: the projections serving engines fuse into one GEMM (q/k/v and
+            gate/up: Hugging Face's ``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``,
+            torchtitan's ``wq``/``wk``/``wv``, ``w1``/``w3``; ``fused.GROUPS``) quantize their
+            weights with one per-tensor amax, the group's largest, as TransformerEngine's fused
+            QKV does, so that an exported group has one global scale (docs/serving.md). Applies
+            where ``quantize_`` found such a group (``fused.attach_groups``); changes Y and dX.
 
     Raises:
         ValueError: ``"NVFP4Recipe.<field>: ..."`` at construction (and at ``dataclasses.replace``)
@@ -179,9 +185,11 @@ class NVFP4Recipe(AOBaseConfig):
         0, "keep the first transformer blocks in high precision: a count or a fraction in (0, 1)")
     keep_last_blocks: float = _field(
         0, "keep the last transformer blocks in high precision: a count or a fraction in (0, 1)")
+    shared_weight_amax: bool = _field(
+        True, "fused projections (q/k/v, gate/up) quantize their weights with one shared amax")
 
     def __post_init__(self):
-        for name in ("rht", "stochastic_rounding", "weight_2d"):
+        for name in ("rht", "stochastic_rounding", "weight_2d", "shared_weight_amax"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         if self.rht_signs is not None:
             self._set("rht_signs", parse_signs(self.rht_signs, "NVFP4Recipe.rht_signs"))

@@ -137,7 +137,7 @@ def test_bad_input_is_named(tmp_path):
     model, amaxes = trained_model()
     with pytest.raises(ValueError, match="unknown format 'gguf'"):
         export(model, str(tmp_path / "a"), "gguf")
-    with pytest.raises(ValueError, match="no NVFP4Linear"):
+    with pytest.raises(ValueError, match="no NVFP4 layer"):
         export(nn.Sequential(nn.Linear(16, 16)), str(tmp_path / "b"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
