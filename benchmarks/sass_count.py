@@ -8,6 +8,8 @@ GPU), disassembles each cubin with the ``cuobjdump`` Triton ships, and prints pe
 - main path: the instructions a thread runs over one tile when no slow path is taken, per
   element and thread (:func:`opcodes`: a loop kernel's body counted once, for one tile), which
   matches Nsight Compute's dynamic count of such a tile;
+- half-rate pipe: those of them on the integer/logic/compare/min-max pipe (:data:`HALF_RATE`,
+  an estimate by opcode), which issues at half the fp32 pipe's rate on Hopper;
 - all: every instruction of the kernel, slow paths included;
 - registers per thread, and the most frequent opcodes of the main path.
 
@@ -140,6 +142,10 @@ def cuobjdump(kernel, flag: str) -> str:
                               check=True).stdout
 
 
+# Opcodes that issue on the integer/logic/compare/min-max pipe, half the rate of the fp32 pipe on
+# Hopper: a kernel bound by issue takes about max(all, 2 x these) cycles a warp instruction.
+HALF_RATE = {"LOP3", "SHF", "IADD3", "ISETP", "FSETP", "SEL", "FSEL", "FMNMX", "IMNMX", "VIMNMX",
+             "PRMT", "LEA", "BMSK", "PLOP3"}
 _INSTR = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -170,8 +176,8 @@ def main():
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("run without TRITON_INTERPRET: the interpreter's kernels do not compile")
-    print("| kernel variant | main path / element | all / element | registers | top opcodes (main path) |\n"
-          "| --- | --- | --- | --- | --- |")
+    print("| kernel variant | main path / element | half-rate pipe | all / element | registers "
+          "| top opcodes (main path) |\n| --- | --- | --- | --- | --- | --- |")
     for name, v in VARIANTS.items():
         if args.only and args.only not in name:
             continue
@@ -181,8 +187,9 @@ def main():
         main_ops, all_ops = opcodes(text)
         per_thread = v.elements() / (32 * WARPS)
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(main_ops).most_common(8))
-        print(f"| {name} | {len(main_ops) / per_thread:.1f} | {len(all_ops) / per_thread:.1f} | "
-              f"{regs} | {top} |", flush=True)
+        half = sum(op in HALF_RATE for op in main_ops)
+        print(f"| {name} | {len(main_ops) / per_thread:.1f} | {half / per_thread:.1f} | "
+              f"{len(all_ops) / per_thread:.1f} | {regs} | {top} |", flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             with open(os.path.join(args.dump, re.sub(r"\W+", "_", name) + ".sass"), "w") as f:
