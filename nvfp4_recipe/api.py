@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import fnmatch
 import logging
-import zlib
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -30,7 +29,7 @@ from .blocks import repeated_blocks
 from .conv1d import NVFP4Conv1D, features, is_conv1d
 from .formats import BLOCK
 from .fused import attach_groups
-from .layer import NVFP4Module
+from .layer import NVFP4Module, layer_seed
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
 
@@ -38,11 +37,6 @@ log = logging.getLogger("nvfp4_recipe")
 
 __all__ = ["quantize_", "skip_reasons", "dequantize_", "linear_layers", "nvfp4_counts",
            "check_module"]
-
-
-def _layer_seed(fqn: str) -> int:
-    """A per-layer SR stream key derived from the module's name, the same in every process."""
-    return zlib.crc32(fqn.encode())
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -276,7 +270,7 @@ def _report(model: nn.Module, kept: Dict[str, str]) -> None:
 
 
 def _convert(module: nn.Module, recipe: NVFP4Recipe, fqn: str) -> nn.Module:
-    seed = _layer_seed(fqn)
+    seed = layer_seed(fqn)
     if is_conv1d(module):
         return NVFP4Conv1D(module, recipe, seed)
     if isinstance(module, nn.Linear):

@@ -138,9 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write into an --out that already holds results of an earlier run, "
                           "replacing them")
     run.add_argument("--export", metavar="DIR",
-                     help="write each NVFP4 recipe's trained model to DIR/<recipe>/ as an NVFP4 "
-                          "checkpoint (compressed-tensors layout, docs/serving.md); DIR must not "
-                          "exist or be empty")
+                     help="write each NVFP4 recipe's trained model to DIR/<recipe>/ (DIR/<recipe>-seed<N>/ "
+                          "with --seeds) as an NVFP4 checkpoint (compressed-tensors layout, "
+                          "docs/serving.md); DIR must not exist or be empty and be writable, and "
+                          "every NVFP4 recipe must leave a linear in NVFP4 with per-tensor scales "
+                          "(checked before training). A failed export is reported, the run's "
+                          "results kept, and the exit status is 1")
     run.add_argument("--quant-stats-every", type=int, default=0, metavar="N",
                      help="record NVFP4 quantization statistics of every layer's operands every N "
                           "steps (inspect.QuantStats: flushed to zero, saturated, relative MSE, zero "

@@ -23,7 +23,8 @@ from torch import nn
 from . import reference as R
 from .backends import resolved
 from .formats import BLOCK
-from .layer import NVFP4Module, autocast_off, backend_name, next_sr_key, out_dtype, training
+from .layer import (NVFP4Module, autocast_off, backend_name, layer_seed, next_sr_key, out_dtype,
+                    training)
 from .linear import linear_fprop, linear_grads
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
@@ -279,9 +280,12 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
     Each linear the checkpoint holds in NVFP4 is replaced by an :class:`NVFP4FrozenLinear` (its
     codes, scales and global scale; no high-precision weight); every other tensor of the
     checkpoint is loaded into the model as it is (``load_state_dict(assign=True)``, so a model
-    built on the meta device is materialized by the load). The frozen layers take the dtype of the
-    layer they replace and ``recipe`` (default ``NVFP4Recipe()``) for their activation and
-    gradient quantization; ``gemm`` as in :class:`NVFP4FrozenLinear`. Parameters are not frozen
+    built on the meta device is materialized by the load; its buffers the checkpoint does not hold,
+    such as Hugging Face's rotary ``inv_freq``, are set by the model's initialization,
+    :func:`_materialize_buffers`). The frozen layers take the dtype of the layer they replace,
+    ``recipe`` (default ``NVFP4Recipe()``) for their activation and gradient quantization, and
+    each its own SR stream from its name (``layer.layer_seed``, as ``quantize_`` gives the trained
+    layer); ``gemm`` as in :class:`NVFP4FrozenLinear`. Parameters are not frozen
     here: PEFT freezes the base model, or call ``requires_grad_(False)``.
 
     Args:
@@ -293,7 +297,7 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
     Raises:
         ValueError: see :func:`read_checkpoint`; a checkpoint layer missing from the model or
             not an nn.Linear of its shape; checkpoint tensors the model lacks or model tensors the
-            checkpoint lacks (named).
+            checkpoint lacks (named); buffers of a meta-built model nothing sets (named).
     """
     _, layers, rest = read_checkpoint(path)
     recipe = NVFP4Recipe() if recipe is None else recipe
@@ -307,7 +311,7 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
         bias = rest.pop(f"{fqn}.bias", None)
         new = NVFP4FrozenLinear(qdata.to(device), scale.to(device), outer.to(device),
                                 None if bias is None else bias.to(device, old.weight.dtype),
-                                recipe, old.weight.dtype, gemm)
+                                recipe, old.weight.dtype, gemm, layer_seed(fqn))
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent), name, new)
     result = model.load_state_dict(rest, strict=False, assign=True)
@@ -316,7 +320,39 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
     if missing or result.unexpected_keys:
         raise ValueError(f"load_frozen: the checkpoint does not match the model: missing "
                          f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    _materialize_buffers(model)
     return model
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """Give the buffers a checkpoint does not hold (non-persistent ones, e.g. Hugging Face's rotary
+    ``inv_freq``) of a model built on the meta device their values, as ``from_pretrained`` does:
+    each one made on the model's device, filled with NaN, and set by the model's own
+    initialization of its module (``model._init_weights(module)``, Hugging Face's).
+
+    Raises:
+        ValueError: naming the buffers the model has no initialization for (no
+            ``_init_weights``, a non-floating buffer, or one the initialization leaves unset).
+    """
+    device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
+                  torch.device("cpu"))
+    init = getattr(model, "_init_weights", None)
+    unset = []
+    for fqn, module in model.named_modules():
+        names = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+        if not names:
+            continue
+        if init is None or not all(module._buffers[n].is_floating_point() for n in names):
+            unset += [f"{fqn}.{n}" for n in names]
+            continue
+        for n in names:
+            module._buffers[n] = torch.full_like(module._buffers[n], torch.nan, device=device)
+        init(module)
+        unset += [f"{fqn}.{n}" for n in names if module._buffers[n].isnan().any()]
+    if unset:
+        raise ValueError(f"load_frozen: the model was built on the meta device and these buffers "
+                         f"are neither in the checkpoint nor set by the model's initialization: "
+                         f"{unset[:5]}; build the model on a real device (or initialize them)")
 
 
 def lora_config(**kwargs):

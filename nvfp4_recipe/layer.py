@@ -32,7 +32,7 @@ from .kernels.runtime import tracing
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
 
-__all__ = ["NVFP4Module", "cached_weights", "sr_key", "next_sr_key", "out_dtype", "backend_name",
+__all__ = ["NVFP4Module", "cached_weights", "layer_seed", "sr_key", "next_sr_key", "out_dtype", "backend_name",
            "training", "local"]
 
 _BUFFERS = ("rht_signs", "sr_seed", "sr_step")
@@ -71,6 +71,12 @@ def cached_weights() -> Iterator[None]:
         _CACHING.reset(token)
         for module in modules:
             module._weight_cache = {}
+
+
+def layer_seed(fqn: str) -> int:
+    """A layer's SR stream key from its fully qualified name, the same in every process:
+    ``crc32(fqn)`` (``quantize_`` and ``load_frozen`` give each layer its own stream)."""
+    return zlib.crc32(fqn.encode())
 
 
 def sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:

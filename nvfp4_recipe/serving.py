@@ -48,7 +48,8 @@ from .linear import NVFP4Linear
 from .spec import Scaling
 from .version import package_version
 
-__all__ = ["export", "record_amaxes", "serving_layers", "FORMATS", "fprop_weight_1x16"]
+__all__ = ["export", "record_amaxes", "serving_layers", "check_exportable", "FORMATS",
+           "fprop_weight_1x16"]
 
 log = logging.getLogger("nvfp4_recipe")
 
@@ -206,8 +207,9 @@ def _check_layers(layers: Dict[str, nn.Module], allow_per_token: bool) -> None:
     """Raises ValueError for no layer, an NVFP4Conv1D, or a per-token recipe without
     ``allow_per_token`` (see :func:`export`)."""
     if not layers:
-        raise ValueError("export: the model has no NVFP4 layer (NVFP4Linear or NVFP4FrozenLinear); "
-                         "quantize_(model, NVFP4Recipe()) and train it, or load_frozen a checkpoint")
+        raise ValueError("export: the model has no NVFP4 layer (NVFP4Linear or NVFP4FrozenLinear) "
+                         "to write in NVFP4 (quantize_ a model with an NVFP4Recipe that leaves a "
+                         "linear in NVFP4, or load_frozen a checkpoint)")
     for fqn, layer in layers.items():
         if isinstance(layer, NVFP4Conv1D):
             raise ValueError(f"export: {fqn} is an NVFP4Conv1D (GPT-2's Conv1D, weight stored (in, "
@@ -218,6 +220,17 @@ def _check_layers(layers: Dict[str, nn.Module], allow_per_token: bool) -> None:
                 f"'per_token'); the serving layouts have one per-tensor activation global scale. "
                 f"Pass allow_per_token=True to export it from the largest amax seen (the server then "
                 f"quantizes activations per tensor, unlike training)")
+
+
+def check_exportable(model: nn.Module, allow_per_token: bool = False) -> None:
+    """Whether :func:`export` would write ``model``'s layers (a model on the meta device may be
+    asked: its weights are not read).
+
+    Raises:
+        ValueError: no NVFP4 layer; an NVFP4Conv1D; a per-token recipe without
+            ``allow_per_token``.
+    """
+    _check_layers(serving_layers(model), allow_per_token)
 
 
 def _check_args(model: nn.Module, path: str, fmt: str, input_amax, allow_per_token: bool) -> None:
@@ -232,7 +245,7 @@ def _check_args(model: nn.Module, path: str, fmt: str, input_amax, allow_per_tok
         raise ValueError("export: the modelopt layout needs static input scales: record them with "
                          "`with record_amaxes(model) as amaxes:` around a few forwards and pass "
                          "input_amax=amaxes")
-    _check_layers(serving_layers(model), allow_per_token)
+    check_exportable(model, allow_per_token)
     _check_materialized(model)
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 PROG = "nvfp4-recipe"
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_EXPORT_FAILED = 1  # every run finished, an --export of one failed (said on stderr)
 VOCAB = 256  # bytes
 MOE_EXPERTS, MOE_TOP_K = 8, 2  # of --moe
 SEED_LIMIT = 2**31  # NVFP4Recipe.seed's range is [0, 2**31)

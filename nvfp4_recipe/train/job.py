@@ -21,15 +21,15 @@ import torch
 
 from ..backends import get_backend
 from ..frozen import load_frozen
-from ..serving import export, record_amaxes
+from ..serving import check_exportable, export, record_amaxes
 from . import data as D
-from .config import (DESCRIPTIONS, EXIT_INTERRUPTED, MOE_EXPERTS, MOE_TOP_K, PROG, SEED_LIMIT,
-                     ModelConfig, check_recipes)
+from .config import (BASELINE, DESCRIPTIONS, EXIT_EXPORT_FAILED, EXIT_INTERRUPTED, MOE_EXPERTS,
+                     MOE_TOP_K, PROG, SEED_LIMIT, ModelConfig, check_recipes)
 from .loop import evaluate, train_run
 from .model import TinyLM, count_params
 from .parallel import DataParallel
 from .presets import PRESETS, preset_config
-from .recipes import make_recipe
+from .recipes import apply_recipe, make_recipe
 from .report import format_seed_table, format_table, plot_curves, plot_quant_stats, write_json
 
 
@@ -164,11 +164,36 @@ def _check_out(out: str, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: cannot write there: {e.strerror or e}") from None
 
 
-def _check_export(directory: Optional[str]) -> None:
-    """Raises ValueError when --export names a file or a directory that is not empty."""
-    if directory is not None and os.path.exists(directory) and (
-            not os.path.isdir(directory) or os.listdir(directory)):
+def _check_export(directory: Optional[str], recipes: Sequence[str], cfg) -> None:
+    """Check --export before any run: the directory, and that each NVFP4 recipe exports a layer.
+
+    Raises:
+        ValueError: ``directory`` is a file or a directory that is not empty, cannot be created
+            or written; no recipe trains in NVFP4 (only the baseline); a recipe leaves no linear
+            in NVFP4 on this model or trains per-token activation scales, which the serving
+            layouts cannot hold (``serving.check_exportable``).
+    """
+    if directory is None:
+        return
+    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise ValueError(f"--export {directory}: exists and is not an empty directory")
+    exported = [name for name in recipes if make_recipe(name, cfg.seed, cfg.backend) is not None]
+    if not exported:
+        raise ValueError(f"--export {directory}: none of the recipes {' '.join(recipes)} trains in "
+                         f"NVFP4 ({BASELINE} is the high-precision baseline); nothing to export")
+    for name in exported:
+        with torch.device("meta"):
+            model = apply_recipe(TinyLM(cfg.model_config()), name, cfg.seed, cfg.backend, quiet=True)
+        try:
+            check_exportable(model)
+        except ValueError as e:
+            raise ValueError(f"--export {directory}: recipe {name}: {e}") from None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ValueError(f"--export {directory}: cannot write there: {e.strerror or e}") from None
 
 
 # config.json's entry holding the TinyLM shape of an --export checkpoint (servers ignore it)
@@ -203,8 +228,8 @@ def _prepare(args):
         ValueError, FileNotFoundError: a bad argument (the message is the one-line error).
     """
     check_recipes(args.recipes)
-    _check_export(args.export)
     cfg, max_bytes = _config_from_args(args)
+    _check_export(args.export, args.recipes, cfg)
     if not 0 < args.val_fraction < 1:
         raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if args.no_stdlib and not args.data:
@@ -297,14 +322,24 @@ def _run_label(name: str, cfg, seeds: int) -> str:
     return name if seeds == 1 else f"{name}-seed{cfg.seed}"
 
 
-def _exporter(directory: Optional[str], name: str, label: str, cfg, batches, device, dtype):
-    """train_run's on_trained for --export: the NVFP4 recipes' models go to DIR/<label>."""
+def _exporter(directory: Optional[str], name: str, label: str, cfg, batches, device, dtype,
+              failed: List[str]):
+    """train_run's on_trained for --export: the NVFP4 recipes' models go to DIR/<label>. A
+    failure is reported on stderr and appended to ``failed``; the run's results are kept and the
+    later runs go on."""
     if directory is None or make_recipe(name, cfg.seed, cfg.backend) is None:
         return None
 
     def write(model):
-        path = export_trained(model, cfg, batches, device, dtype, os.path.join(directory, label))
-        print(f"{name}: exported the NVFP4 model to {path} (compressed-tensors)", flush=True)
+        path = os.path.join(directory, label)
+        try:
+            export_trained(model, cfg, batches, device, dtype, path)
+        except Exception as e:  # noqa: BLE001  (any failure of one export: report, go on)
+            failed.append(label)
+            print(f"{PROG}: {label}: the export to {path} failed ({type(e).__name__}: {e}); "
+                  f"the run's results are kept", file=sys.stderr, flush=True)
+            return
+        print(f"{label}: exported the NVFP4 model to {path} (compressed-tensors)", flush=True)
     return write
 
 
@@ -313,13 +348,13 @@ def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, pr
     """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
     meta = _meta(args, argv, cfg, corpus, device, precision, 1 if parallel is None else parallel.world)
     _print_header(cfg, corpus, meta, args.recipes)
-    results, status, runs = [], 0, _runs(args, cfg)
+    results, status, runs, failed = [], 0, _runs(args, cfg), []
     try:
         for name, run_cfg in runs:
             label = _run_label(name, run_cfg, args.seeds)
             result = train_run(name, run_cfg, batches, device, dtype, progress=not args.no_progress,
                                parallel=parallel, on_trained=_exporter(
-                                   args.export, name, label, run_cfg, batches, device, dtype))
+                                   args.export, name, label, run_cfg, batches, device, dtype, failed))
             results.append(result)
             print(f"{label}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} "
                   f"nats, {result.wall_s:.0f} s, {result.mode} steps", flush=True)
@@ -338,4 +373,6 @@ def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, pr
             print("\n" + format_seed_table(results))
     print(f"\ntotal wall time {meta['wall_s']:.0f} s; wrote {os.path.join(out, 'results.json')}"
           + "".join(f" and {plot}" for plot in plots))
-    return status
+    if failed:
+        print(f"{PROG}: the export of {', '.join(failed)} failed (see above)", file=sys.stderr)
+    return status or (EXIT_EXPORT_FAILED if failed else 0)

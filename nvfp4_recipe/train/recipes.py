@@ -2,6 +2,8 @@
 model: ``quantize_(model, NVFP4Recipe(...))``.
 """
 
+import logging
+
 from torch import nn
 
 from ..api import quantize_
@@ -25,12 +27,22 @@ def make_recipe(name: str, seed: int, backend: str):
     return NVFP4Recipe(keep_bf16=KEEP_HIGH_PRECISION, seed=seed, backend=backend, **fields)
 
 
-def apply_recipe(model: nn.Module, name: str, seed: int, backend: str) -> nn.Module:
+def apply_recipe(model: nn.Module, name: str, seed: int, backend: str,
+                 quiet: bool = False) -> nn.Module:
     """Swap the eligible linears of ``model`` in place for NVFP4 ones (nothing for the baseline),
-    exactly as a user would: ``quantize_(model, NVFP4Recipe(...))``. Returns ``model``."""
+    exactly as a user would: ``quantize_(model, NVFP4Recipe(...))``; with ``quiet``, its log lines
+    below ERROR are dropped (a check on a meta-device copy). Returns ``model``."""
     recipe = make_recipe(name, seed, backend)
-    if recipe is not None:
+    if recipe is None:
+        return model
+    log = logging.getLogger("nvfp4_recipe")
+    level = log.level
+    if quiet:
+        log.setLevel(logging.ERROR)
+    try:
         quantize_(model, recipe)
+    finally:
+        log.setLevel(level)
     return model
 
 
