@@ -187,3 +187,152 @@ def test_export_directory_is_checked_before_training(tmp_path, capsys):
                        "--export", str(tmp_path / "busy")])
     assert status == cli.EXIT_USAGE
     assert "--export" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving reads what training computed: every recipe, both layouts, the real readers
+# ---------------------------------------------------------------------------------------------
+RECIPES = {
+    "2d": N.NVFP4Recipe(),
+    "1d": N.NVFP4Recipe(weight_2d=False),
+    "4over6-w256": N.NVFP4Recipe(four_over_six="weights"),
+    "4over6-act448": N.NVFP4Recipe(four_over_six="activations", four_over_six_e4m3_max=448),
+    "4over6-all-mse-1d": N.NVFP4Recipe(four_over_six="all", four_over_six_error="mse", weight_2d=False),
+    "per_token": N.NVFP4Recipe(scaling="per_token"),
+}
+
+
+def ct_read(tensors, fqn, config):
+    """compressed-tensors' own decompressor on one layer: the bf16 weight."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    scheme = QuantizationConfig.model_validate(config["quantization_config"]).config_groups["group_0"]
+    state = {k[len(fqn) + 1:]: v for k, v in tensors.items() if k.startswith(fqn + ".")}
+    return NVFP4PackedCompressor.decompress(state, scheme)["weight"]
+
+
+def modelopt_read(tensors, fqn, scale_2=None):
+    """ModelOpt's NVFP4QTensor.dequantize formula: code * (weight_scale * weight_scale_2), fp32."""
+    w, scale = tensors[f"{fqn}.weight"], tensors[f"{fqn}.weight_scale"]
+    scale_2 = tensors[f"{fqn}.weight_scale_2"] if scale_2 is None else scale_2
+    codes = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)
+    return (e2m1_decode(codes).unflatten(-1, (-1, 16)) * (scale.float() * scale_2)[..., None]).flatten(-2)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_every_recipe_exports_the_trained_weights_and_logits(tmp_path, fmt, name):
+    recipe = RECIPES[name]
+    model, amaxes = trained_model(recipe, torch.bfloat16, seed=len(name))
+    path = export(model, str(tmp_path / "e"), fmt, input_amax=amaxes, allow_per_token=True)
+    config, tensors = read(path)
+    for fqn, layer in layers(model).items():
+        used = layer.quantized_weight()
+        codes = tensors[f"{fqn}.weight_packed" if fmt == "compressed-tensors" else f"{fqn}.weight"]
+        assert torch.equal(codes, used.qdata)
+        scale = bits(tensors[f"{fqn}.weight_scale"])
+        assert torch.equal(scale if recipe.weight_2d is False else scale[::16], bits(used.scale))
+        if fmt == "compressed-tensors":
+            g = tensors[f"{fqn}.weight_global_scale"]
+            assert torch.equal(torch.ones(1) / g, used.outer_scale.reshape(1))  # 4/6 bound included
+            assert torch.equal(ct_read(tensors, fqn, config).view(torch.int16),
+                               used.dequantize(torch.bfloat16).view(torch.int16))
+        else:
+            assert torch.equal(tensors[f"{fqn}.weight_scale_2"], used.outer_scale)
+            assert torch.equal(modelopt_read(tensors, fqn).bfloat16().view(torch.int16),
+                               used.dequantize(torch.bfloat16).view(torch.int16))
+    frozen = N.load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(),
+                                         nn.Linear(128, 48)).to(torch.bfloat16), path, recipe)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(frozen(x), model(x))
+
+
+def test_four_over_six_global_scale_uses_the_recipes_bound(tmp_path):
+    """The 4/6 bound 256 gives S_enc = 1536 / amax (not 2688 / amax): the served weight is not
+    scaled by 256 / 448."""
+    model, amaxes = trained_model(N.NVFP4Recipe(four_over_six="weights"))
+    _, tensors = read(export(model, str(tmp_path / "e"), input_amax=amaxes))
+    w = model[1].weight.detach()
+    assert torch.equal(tensors["1.weight_global_scale"],
+                       R.encode_scale(w.abs().amax(), 256).reshape(1))
+
+
+def tiny_llama(seed=0, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         **kw)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def trained_llama(recipe, seed=0, **kw):
+    model = N.quantize_(tiny_llama(seed, **kw), recipe)
+    tokens = torch.randint(0, 128, (2, 16))
+    model(tokens).logits.float().square().mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad / p.grad.abs().max()
+    with record_amaxes(model) as amaxes:
+        model(torch.randint(0, 128, (2, 16)))
+    return model, amaxes
+
+
+GROUPS = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_a_vllm_style_fused_read_gives_the_trained_weights(tmp_path, fmt):
+    """vLLM dequantizes a fused QKV / gate-up GEMM with one weight global scale, the max over its
+    shards (CompressedTensorsW4A4Fp4, ModelOpt NVFP4): each shard is still the trained weight."""
+    model, amaxes = trained_llama(N.NVFP4Recipe(keep_bf16=("lm_head",)))
+    config, tensors = read(export(model, str(tmp_path / "e"), fmt, input_amax=amaxes))
+    for group in GROUPS:
+        fqns = [f"model.layers.0.{name}" for name in group]
+        if fmt == "compressed-tensors":
+            g = torch.stack([tensors[f"{f}.weight_global_scale"] for f in fqns]).max()
+            inputs = {tensors[f"{f}.input_global_scale"].item() for f in fqns}
+        else:
+            g = torch.stack([tensors[f"{f}.weight_scale_2"] for f in fqns]).max()
+            inputs = {tensors[f"{f}.input_scale"].item() for f in fqns}
+        assert len(inputs) == 1  # one input scale per fused GEMM
+        for f in fqns:
+            used = model.get_submodule(f).quantized_weight()
+            codes = tensors[f"{f}.weight_packed" if fmt == "compressed-tensors" else f"{f}.weight"]
+            if fmt == "compressed-tensors":
+                codes4 = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
+                scale = tensors[f"{f}.weight_scale"].float() / g  # vLLM: block scale / global scale
+                got = (e2m1_decode(codes4).unflatten(-1, (-1, 16)) * scale[..., None]).flatten(-2)
+            else:
+                got = modelopt_read(tensors, f, scale_2=g)
+            assert torch.equal(got.bfloat16().view(torch.int16), used.dequantize().view(torch.int16))
+
+
+def test_groups_trained_apart_are_quantized_again_and_the_error_is_logged(tmp_path, caplog):
+    model, amaxes = trained_llama(N.NVFP4Recipe(keep_bf16=("lm_head",), shared_weight_amax=False), 3)
+    before = {f: m.quantized_weight() for f, m in layers(model).items()}
+    with caplog.at_level("WARNING", logger="nvfp4_recipe"):
+        _, tensors = read(export(model, str(tmp_path / "e"), input_amax=amaxes))
+    for group in GROUPS:
+        fqns = [f"model.layers.0.{name}" for name in group]
+        scales = {tensors[f"{f}.weight_global_scale"].item() for f in fqns}
+        assert len(scales) == 1
+        amax = max(model.get_submodule(f).weight.abs().max().item() for f in fqns)
+        assert scales == {R.encode_scale(torch.tensor(amax)).item()}
+        line = next(r.getMessage() for r in caplog.records if "/".join(fqns) in r.getMessage())
+        for f in fqns:
+            old = before[f].dequantize(torch.float32).double()
+            new = (e2m1_decode(unpack_nibbles(tensors[f"{f}.weight_packed"])).unflatten(-1, (-1, 16))
+                   * (tensors[f"{f}.weight_scale"].float() / tensors[f"{f}.weight_global_scale"])[..., None]
+                   ).flatten(-2).double()
+            error = ((new - old).norm() / old.norm()).item()  # within the reader's division
+            errors = line.split("relative weight error: ")[1].split(")")[0]
+            logged = float(errors.split(f"{f.rpartition('.')[2]} ")[1].split(",")[0])
+            assert logged == pytest.approx(error, rel=0.01, abs=1e-6) and error < 0.2
+            largest = model.get_submodule(f).weight.abs().max().item() == amax
+            assert (logged == 0) == largest  # the member of the largest amax keeps its codes
+            assert torch.equal(tensors[f"{f}.weight_packed"], before[f].qdata) == largest
+    o = "model.layers.0.self_attn.o_proj"  # no group: as trained
+    assert torch.equal(tensors[f"{o}.weight_packed"], before[o].qdata)

@@ -8,6 +8,7 @@ from torch import nn
 import nvfp4_recipe as N
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.frozen import NVFP4FrozenLinear, load_frozen, lora_config
+from nvfp4_recipe.layer import layer_seed
 from nvfp4_recipe.serving import export, record_amaxes
 
 pytest.importorskip("safetensors")
@@ -45,10 +46,11 @@ def test_frozen_forward_is_the_trained_forward_bit_for_bit(tmp_path, fmt, recipe
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_dgrad_is_the_trained_layers_dgrad_and_no_weight_is_kept(tmp_path, backend):
-    """Same recipe, same SR stream (layer_seed 0): Y and dX of the frozen layer are NVFP4Linear's."""
+    """Same recipe, same SR stream (the layer seed of its name, as quantize_ gives it): Y and dX
+    of the frozen layer are NVFP4Linear's."""
     torch.manual_seed(1)
     recipe = N.NVFP4Recipe(backend=backend)
-    layer = N.NVFP4Linear(64, 128, recipe=recipe)
+    layer = N.NVFP4Linear(64, 128, recipe=recipe, layer_seed=layer_seed("1"))
     model = nn.Sequential(nn.LayerNorm(64), layer)
     path = export(model, str(tmp_path / "e"), input_amax={"1": torch.tensor(3.0)})
     frozen = load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128)), path, recipe)[1]
