@@ -188,7 +188,7 @@ def _check_materialized(model: nn.Module) -> None:
         if t.is_meta:
             raise ValueError(f"export: {name} is on the meta device: materialize the model "
                              f"(to_empty() and initialize it, or load its weights) first")
-        if t.is_floating_point() and not torch.isfinite(t.detach()).all():
+        if t.is_floating_point() and not torch.isfinite(t.detach().float()).all():
             raise ValueError(f"export: {name} holds non-finite values (NaN/Inf: uninitialized "
                              f"memory, or a diverged run); nothing was written")
 

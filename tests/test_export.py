@@ -336,3 +336,163 @@ def test_groups_trained_apart_are_quantized_again_and_the_error_is_logged(tmp_pa
             assert torch.equal(tensors[f"{f}.weight_packed"], before[f].qdata) == largest
     o = "model.layers.0.self_attn.o_proj"  # no group: as trained
     assert torch.equal(tensors[f"{o}.weight_packed"], before[o].qdata)
+
+
+def test_a_frozen_base_under_lora_exports_its_stored_weights(tmp_path, caplog):
+    peft = pytest.importorskip("peft")
+    model, amaxes = trained_llama(N.NVFP4Recipe(keep_bf16=("lm_head",)), 4)
+    first = export(model, str(tmp_path / "first"), input_amax=amaxes)
+    base = N.load_frozen(tiny_llama(5), first)
+    lora = peft.get_peft_model(base, N.lora_config(r=4, target_modules=["q_proj", "v_proj"]))
+    with record_amaxes(lora) as again:
+        lora(torch.randint(0, 128, (2, 16)))
+    assert set(again) == set(amaxes)  # recorded under the served names
+    with caplog.at_level("WARNING", logger="nvfp4_recipe"):
+        config, tensors = read(export(lora, str(tmp_path / "second"), input_amax=amaxes))
+    _, original = read(first)
+    assert set(tensors) == set(original) and not any("lora" in k for k in tensors)
+    for k, v in original.items():
+        assert torch.equal(bits(tensors[k]), bits(v)), k
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert any("LoRA adapters" in r.getMessage() for r in caplog.records)
+
+
+def test_a_frozen_only_model_exports_in_both_layouts(tmp_path):
+    model, amaxes = trained_model(seed=6)
+    first = export(model, str(tmp_path / "a"), "modelopt", input_amax=amaxes)
+    frozen = N.load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(),
+                                         nn.Linear(128, 48)), first)
+    _, mo = read(first)
+    _, again = read(export(frozen, str(tmp_path / "b"), "modelopt", input_amax=amaxes))
+    assert all(torch.equal(bits(again[k]), bits(v)) for k, v in mo.items())
+    _, ct = read(export(frozen, str(tmp_path / "c"), input_amax=amaxes))
+    for fqn in ("1", "3"):  # compressed-tensors' encode scale: its reciprocal is the stored one
+        assert torch.equal(torch.ones(1) / ct[f"{fqn}.weight_global_scale"], mo[f"{fqn}.weight_scale_2"].reshape(1))
+
+
+def test_a_meta_model_is_refused_and_nothing_is_written(tmp_path):
+    with torch.device("meta"):
+        model = N.quantize_(nn.Sequential(nn.Linear(64, 64)), N.NVFP4Recipe())
+    with pytest.raises(ValueError, match="0.weight is on the meta device"):
+        export(model, str(tmp_path / "e"))
+    assert os.listdir(tmp_path) == []
+    model = N.quantize_(nn.Sequential(nn.Linear(64, 64)), N.NVFP4Recipe())
+    with torch.no_grad():
+        model[0].bias[3] = float("nan")
+    with pytest.raises(ValueError, match="0.bias holds non-finite values"):
+        export(model, str(tmp_path / "e"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_that_fails_half_way_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+    import safetensors.torch as st
+    model, amaxes = trained_model(seed=7)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(st, "save_file", full_disk)
+    (tmp_path / "empty").mkdir()
+    for target in ("empty", "new"):
+        with pytest.raises(OSError, match="No space"):
+            export(model, str(tmp_path / target), input_amax=amaxes)
+    assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(tmp_path / "empty") == []
+    monkeypatch.undo()
+    path = export(model, str(tmp_path / "empty"), input_amax=amaxes)  # a retry is not refused
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+
+
+def test_config_is_the_one_save_pretrained_writes_and_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+    model, amaxes = trained_llama(N.NVFP4Recipe(keep_bf16=("lm_head",)), 8)
+    path = export(model, str(tmp_path / "e"), input_amax=amaxes)
+    config, _ = read(path)
+    model.save_pretrained(str(tmp_path / "hf"))
+    saved, _ = read(str(tmp_path / "hf"))
+    assert (config["architectures"], config["dtype"]) == (saved["architectures"], saved["dtype"]) == (
+        ["LlamaForCausalLM"], "bfloat16")
+    served = AutoModelForCausalLM.from_pretrained(path)
+    assert served.dtype == torch.bfloat16
+    served(torch.randint(0, 128, (1, 8)))  # runs: the dtypes agree
+
+
+def test_a_tied_nvfp4_lm_head_is_exported_in_high_precision(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    model, amaxes = trained_llama(N.NVFP4Recipe(), 9, tie_word_embeddings=True)
+    assert isinstance(model.lm_head, N.NVFP4Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    with caplog.at_level("WARNING", logger="nvfp4_recipe"):
+        path = export(model, str(tmp_path / "e"), input_amax=amaxes)
+    config, tensors = read(path)
+    assert config["quantization_config"]["ignore"] == ["lm_head"] and "lm_head.weight_packed" not in tensors
+    assert any("lm_head is tied" in r.getMessage() for r in caplog.records)
+    served = AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert torch.equal(served.lm_head.weight, model.model.embed_tokens.weight)
+    served(torch.randint(0, 128, (1, 8)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0, torch.tensor(float("nan"))])
+def test_bad_input_amaxes_are_refused_naming_the_layer(tmp_path, bad):
+    model, amaxes = trained_model(seed=10)
+    with pytest.raises(ValueError, match=r"input_amax\['3'\].*finite and > 0"):
+        export(model, str(tmp_path / "e"), input_amax=dict(amaxes, **{"3": bad}))
+    assert not os.path.exists(tmp_path / "e")
+
+
+def test_input_amaxes_may_be_floats_or_0d_tensors(tmp_path):
+    model, amaxes = trained_model(seed=11)
+    floats = {k: v.item() for k, v in amaxes.items()}
+    _, a = read(export(model, str(tmp_path / "a"), input_amax=floats))
+    _, b = read(export(model, str(tmp_path / "b"), input_amax=amaxes))
+    assert all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
+    with pytest.raises(ValueError, match=r"input_amax\['1'\] must be a float"):
+        export(model, str(tmp_path / "c"), input_amax=dict(amaxes, **{"1": "3.0"}))
+
+
+def test_a_dynamic_export_says_what_servers_need(tmp_path, caplog):
+    model, _ = trained_model(seed=12)
+    with caplog.at_level("WARNING", logger="nvfp4_recipe"):
+        export(model, str(tmp_path / "e"))
+    assert any("input_global_scale" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--recipes", "bf16"], "none of the recipes bf16 trains in NVFP4"),
+    (["--recipes", "nvfp4", "nvfp4-tail"], "recipe nvfp4-tail: export: the model has no NVFP4 layer"),
+    (["--recipes", "nvfp4-per-token"], "per-token activation scales"),
+])
+def test_export_arguments_fail_before_training(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.setattr(job, "train_run", lambda *a, **k: pytest.fail("trained"))
+    status = cli.main(["train", "--preset", "tiny", *args, "--out", str(tmp_path / "out"),
+                       "--export", str(tmp_path / "export")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == cli.EXIT_USAGE and len(err) == 1 and message in err[0]
+
+
+def test_an_unwritable_export_directory_fails_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(job, "train_run", lambda *a, **k: pytest.fail("trained"))
+    (tmp_path / "file").write_text("x")
+    status = cli.main(["train", "--preset", "tiny", "--out", str(tmp_path / "out"),
+                       "--export", str(tmp_path / "file" / "sub")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == cli.EXIT_USAGE and len(err) == 1 and "cannot write there" in err[0]
+
+
+def test_a_failed_export_keeps_the_run_and_the_later_recipes_run(tmp_path, capsys, monkeypatch):
+    real_export = job.export_trained
+    calls = []
+
+    def fail_first(model, cfg, batches, device, dtype, path):
+        calls.append(os.path.basename(path))
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_export(model, cfg, batches, device, dtype, path)
+
+    monkeypatch.setattr(job, "export_trained", fail_first)
+    status = cli.main(["train", "--preset", "tiny", "--recipes", "nvfp4", "nvfp4-1d-weights",
+                       "--steps", "2", "--precision", "fp32", "--no-progress",
+                       "--out", str(tmp_path / "out"), "--export", str(tmp_path / "export")])
+    assert status == 1 and calls == ["nvfp4", "nvfp4-1d-weights"]
+    with open(tmp_path / "out" / "results.json") as f:
+        assert [r["recipe"] for r in json.load(f)["runs"]] == ["nvfp4", "nvfp4-1d-weights"]
+    assert os.listdir(tmp_path / "export") == ["nvfp4-1d-weights"]
+    assert "No space left on device" in capsys.readouterr().err
