@@ -28,6 +28,7 @@ from .backends import get_backend
 from .blocks import repeated_blocks
 from .conv1d import NVFP4Conv1D, features, is_conv1d
 from .formats import BLOCK
+from .frozen import NVFP4FrozenLinear
 from .fused import attach_groups
 from .layer import NVFP4Module, layer_seed
 from .linear import NVFP4Linear
@@ -35,7 +36,7 @@ from .recipe import NVFP4Recipe
 
 log = logging.getLogger("nvfp4_recipe")
 
-__all__ = ["quantize_", "skip_reasons", "dequantize_", "linear_layers", "nvfp4_counts",
+__all__ = ["quantize_", "skip_reasons", "dequantize_", "linear_layers", "frozen_layers", "nvfp4_counts",
            "check_module"]
 
 
@@ -236,14 +237,22 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
     return reasons
 
 
+def frozen_layers(model: nn.Module) -> Dict[str, NVFP4FrozenLinear]:
+    """fqn -> layer of every frozen NVFP4 linear (``load_frozen``) of ``model``, in module order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, NVFP4FrozenLinear)}
+
+
 def nvfp4_counts(model: nn.Module) -> str:
-    """"k of n linear layers [and i of j experts modules] in NVFP4" for ``model``."""
+    """"k of n linear layers [and i of j experts modules] in NVFP4[ (f frozen)]" for ``model``,
+    the frozen NVFP4 linears counted among the linear layers."""
     linears, experts = linear_layers(model).values(), moe.experts_modules(model).values()
-    text = f"{sum(isinstance(m, NVFP4Linear) for m in linears)} of {len(linears)} linear layers"
+    frozen = len(frozen_layers(model))
+    text = (f"{sum(isinstance(m, NVFP4Linear) for m in linears) + frozen} of "
+            f"{len(linears) + frozen} linear layers")
     if experts:
         text += f" and {sum(isinstance(m, moe.NVFP4Experts) for m in experts)} of {len(experts)} " \
                 f"experts modules"
-    return text + " in NVFP4"
+    return text + " in NVFP4" + (f" ({frozen} frozen)" if frozen else "")
 
 
 def _unmatched_patterns(recipe: NVFP4Recipe, names: List[str]) -> None:

@@ -342,13 +342,14 @@ def _materialize_buffers(model: nn.Module) -> None:
         names = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
         if not names:
             continue
+        prefix = f"{fqn}." if fqn else ""
         if init is None or not all(module._buffers[n].is_floating_point() for n in names):
-            unset += [f"{fqn}.{n}" for n in names]
+            unset += [f"{prefix}{n}" for n in names]
             continue
         for n in names:
             module._buffers[n] = torch.full_like(module._buffers[n], torch.nan, device=device)
         init(module)
-        unset += [f"{fqn}.{n}" for n in names if module._buffers[n].isnan().any()]
+        unset += [f"{prefix}{n}" for n in names if module._buffers[n].isnan().any()]
     if unset:
         raise ValueError(f"load_frozen: the model was built on the meta device and these buffers "
                          f"are neither in the checkpoint nor set by the model's initialization: "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import reference as R
-from .api import check_module, linear_layers, nvfp4_counts, skip_reasons
+from .api import check_module, frozen_layers, linear_layers, nvfp4_counts, skip_reasons
 from .conv1d import features
 from .formats import BLOCK, E2M1_GRID, unpack_nibbles
 from .layer import NVFP4Module, Recording
@@ -30,7 +30,8 @@ _ROLES = {*GemmRole, *(r.value for r in GemmRole)}
 
 
 def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
-    """A table of the model's linear layers (nn.Linear and transformers' Conv1D): fqn, shape,
+    """A table of the model's linear layers (nn.Linear, transformers' Conv1D and frozen NVFP4
+    linears, ``load_frozen``'s): fqn, shape,
     NVFP4 or the dtype they run in, and why; then the other modules left in high precision (experts
     modules, layer types ``quantize_`` does not convert) with why; then the counts.
 
@@ -42,12 +43,15 @@ def summary(model: nn.Module, recipe: Optional[NVFP4Recipe] = None) -> str:
     """
     check_module("summary", model)
     reasons = skip_reasons(model, recipe) if recipe is not None else getattr(model, "nvfp4_kept", {})
-    linears = linear_layers(model)
+    linears, frozen = linear_layers(model), frozen_layers(model)
     modules = dict(model.named_modules())
     rows = [("layer", "in x out", "precision", "note")]
-    for fqn, m in linears.items():
+    for fqn, m in [(f, m) for f, m in modules.items() if f in linears or f in frozen]:
         shape = " x ".join(map(str, features(m)))
-        if isinstance(m, NVFP4Linear):
+        if fqn in frozen:
+            rows.append((fqn, shape, "nvfp4", f"frozen ({m.block.value} scales, gemm={m.gemm}), "
+                                              f"{m.extra_repr().split('recipe=')[1]}"))
+        elif isinstance(m, NVFP4Linear):
             rows.append((fqn, shape, "nvfp4", m.extra_repr().split("recipe=")[1]))
         else:
             rows.append((fqn, shape, _dtype(m), reasons.get(fqn, "")))

@@ -158,3 +158,52 @@ def test_set_recipe_asks_the_frozen_base_first():
     with pytest.raises(ValueError, match="keeps no high-precision weight"):
         N.set_recipe(model, backward_override="high_precision")
     assert model[0].recipe.backward_override is None
+
+
+def test_a_meta_built_hugging_face_model_gets_every_buffer(tmp_path):
+    """The rotary inv_freq (non-persistent, in no checkpoint) is set by the model's own init, as
+    from_pretrained does: the loaded model's logits are the trained model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = N.quantize_(LlamaForCausalLM(config).to(torch.bfloat16), N.NVFP4Recipe(keep_bf16=("lm_head",)))
+    with record_amaxes(model) as amaxes:
+        model(torch.randint(0, 128, (2, 16)))
+    path = export(model, str(tmp_path / "e"), input_amax=amaxes)
+    with torch.device("meta"):
+        loaded = LlamaForCausalLM(config).to(torch.bfloat16)
+    load_frozen(loaded, path)
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    tokens = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+class WithTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(64), nn.Linear(64, 128)
+        self.register_buffer("table", torch.randn(64), persistent=False)
+
+    def forward(self, x):
+        return self.proj(self.norm(x + self.table))
+
+
+def test_a_buffer_nothing_sets_is_refused_by_name(tmp_path):
+    model = N.quantize_(WithTable(), N.NVFP4Recipe())
+    path = export(model, str(tmp_path / "e"), input_amax={"proj": 3.0})
+    with torch.device("meta"):
+        loaded = WithTable()
+    with pytest.raises(ValueError, match=r"neither in the checkpoint.*\['table'\]"):
+        load_frozen(loaded, path)
+
+
+def test_each_frozen_layer_has_its_own_sr_stream_and_counts_in_summary(tmp_path):
+    torch.manual_seed(3)
+    model, path = exported(tmp_path, "compressed-tensors", N.NVFP4Recipe())
+    frozen = load_frozen(make(), path)
+    assert int(frozen[1].sr_seed) == layer_seed("1") and int(frozen[3].sr_seed) == layer_seed("3")
+    table = N.summary(frozen)
+    assert "2 of 2 linear layers in NVFP4 (2 frozen)" in table and "frozen (2d scales" in table
