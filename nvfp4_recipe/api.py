@@ -360,6 +360,16 @@ _FIXED = {"keep_bf16": "which layers are in NVFP4", "keep_first_last": "which la
           "seed": "the layers' SR streams", "rht_signs": "the layers' RHT sign buffers"}
 
 
+def _four_over_six_reset(changes: dict) -> dict:
+    """``changes`` with the ``four_over_six_*`` fields it does not give back at their defaults when
+    it switches 4/6 off (``four_over_six=None``): they only mean something with 4/6 on."""
+    if "four_over_six" not in changes or changes["four_over_six"] is not None:
+        return changes
+    defaults = {f.name: f.default for f in dataclasses.fields(NVFP4Recipe)
+                if f.name.startswith("four_over_six_")}
+    return {**defaults, **changes}
+
+
 def set_recipe(model: nn.Module, **changes) -> nn.Module:
     """Change fields of the recipe of every NVFP4 module of ``model`` in place
     (``dataclasses.replace`` of each module's recipe); returns the model. The SR streams go on
@@ -377,8 +387,10 @@ def set_recipe(model: nn.Module, **changes) -> nn.Module:
         ValueError: the model has no NVFP4 module; a change to a field fixed at ``quantize_``
             (layer selection, ``seed``, ``rht_signs``: ``dequantize_`` and ``quantize_`` again,
             which restarts the SR streams); an invalid value (as NVFP4Recipe); a recipe a module
-            cannot run (``NVFP4Module.check_recipe``: a frozen NVFP4 base and the overrides). No
-            module is changed then.
+            cannot run (``NVFP4Module.check_recipe``: a frozen NVFP4 base and the overrides), or a
+            backend that cannot run on a module's device (checked as ``quantize_`` does). No
+            module is changed then. ``four_over_six=None`` puts the other 4/6 fields back to
+            their defaults unless they are given too.
     """
     check_module("set_recipe", model)
     names = {f.name for f in dataclasses.fields(NVFP4Recipe)}
@@ -391,9 +403,11 @@ def set_recipe(model: nn.Module, **changes) -> nn.Module:
     layers = [m for m in model.modules() if isinstance(m, NVFP4Module)]
     if not layers:
         raise ValueError("set_recipe: the model has no NVFP4 module; call quantize_ first")
-    recipes = [dataclasses.replace(m.recipe, **changes) for m in layers]
+    recipes = [dataclasses.replace(m.recipe, **_four_over_six_reset(changes)) for m in layers]
     for layer, recipe in zip(layers, recipes):
         layer.check_recipe(recipe)
+        for t in layer.buffers(recurse=False):
+            _check_backend(recipe, t.device)
     for layer, recipe in zip(layers, recipes):
         layer.recipe = recipe
         layer._weight_cache = {}

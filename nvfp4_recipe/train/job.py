@@ -137,11 +137,16 @@ def _write_outputs(out: str, meta: dict, results, final: bool) -> List[str]:
               file=sys.stderr)
         return []
     cfg = meta["config"]
-    title = (f"{meta['params'] / 1e6:.1f}M-param byte-level LM, {cfg['steps']} steps x "
+    title = (f"{_param_count(meta['params'])}-param byte-level LM, {cfg['steps']} steps x "
              f"{cfg['batch_size'] * cfg['seq_len']} tokens, {meta['hardware']}, {meta['precision']}")
     paths = [os.path.join(out, "loss_curves.png"), os.path.join(out, "quant_stats.png")]
     plot_curves(paths[0], results, title)
     return paths if plot_quant_stats(paths[1], results, title) else paths[:1]
+
+
+def _param_count(n: int) -> str:
+    """A parameter count as plots title it: "38.2M", or "26K" below a million (the tiny preset)."""
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
 def _check_out(out: str, overwrite: bool) -> None:

@@ -61,14 +61,15 @@ def format_table(results: Sequence[RunResult]) -> str:
     return _markdown(rows)
 
 
-def _mean_std(values: Sequence[float], scale: float, spec: str) -> str:
-    """"mean +- sample standard deviation" of the finite ``values`` (times ``scale``)."""
+def _mean_std(values: Sequence[float], scale: float, spec: str, unit: str = "") -> str:
+    """"mean +- sample standard deviation[ unit]" of the finite ``values`` (times ``scale``), or
+    "n/a" (no unit) without one."""
     v = [x * scale for x in values if x is not None and math.isfinite(x)]
     if not v:
         return "n/a"
     mean = sum(v) / len(v)
     std = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else float("nan")
-    return f"{format(mean, spec)} +- {_fmt_num(std, spec.lstrip('+'))}"
+    return f"{format(mean, spec)} +- {_fmt_num(std, spec.lstrip('+'))}{unit}"
 
 
 def format_seed_table(results: Sequence[RunResult]) -> str:
@@ -78,7 +79,7 @@ def format_seed_table(results: Sequence[RunResult]) -> str:
     for recipe in dict.fromkeys(r.recipe for r in results):
         runs = [r for r in results if r.recipe == recipe and r.status == "ok"]
         rows.append((recipe, str(len(runs)), _mean_std([r.val_loss for r in runs], 1, ".4f"),
-                     _mean_std([_gap(r, results) for r in runs], 100, "+.2f") + " %"))
+                     _mean_std([_gap(r, results) for r in runs], 100, "+.2f", " %")))
     return _markdown(rows)
 
 
