@@ -114,6 +114,14 @@ def _recording(model: nn.Module, keep) -> Iterator[Dict[str, Dict[str, object]]]
             layer.captured = None
 
 
+def _top_codes(codes: torch.Tensor, block: Block) -> torch.Tensor:
+    """The largest magnitude code of each block (a 1x16 block, or a 16x16 tile for 2d blocks) of
+    codes (rows, K), shaped as the block scales: a block 4/6 mapped to 4 has a top code below 6's."""
+    rows = codes.reshape(-1, codes.shape[-1]).shape[0]
+    top = codes.reshape(rows, -1, BLOCK).amax(-1)
+    return top.reshape(rows // BLOCK, BLOCK, -1).amax(1) if block is Block.D2 else top
+
+
 def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = None,
                  role: Union[GemmRole, str] = GemmRole.X_FPROP, *, seed: int = 0, offset: int = 0,
                  rht_signs: Optional[torch.Tensor] = None,
@@ -143,7 +151,10 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
             estimation;
         ``zero_scale_blocks``: fraction of the blocks whose E4M3 block scale is 0;
         ``scale_histogram``: counts of the exponents of the nonzero block scales, {exponent: count};
-        ``amax`` and ``outer_scale`` (float or tensor).
+        ``amax`` and ``outer_scale`` (float or tensor);
+        with a 4/6 spec, ``four_over_six``: ``{"error", "e4m3_max", "fast_math"}`` of the spec and
+        ``mapped_to_4``: the fraction of the blocks with a nonzero scale whose largest code is 4
+        rather than 6 (4/6 chose the map-to-4 scale; exact under RN).
     Raises:
         TypeError, ValueError: as ``reference.quantize``; ValueError for an empty ``x`` or a
             ``role`` that is not a GemmRole nor one's value; TypeError for an ``x`` that is not a
@@ -195,7 +206,20 @@ def tensor_stats(x: torch.Tensor, spec: Union[NVFP4Recipe, QuantSpec, None] = No
         "scale_histogram": dict(zip(exps.tolist(), counts.tolist())),
         "amax": _item(R.amax(ref, qspec.scaling)),
         "outer_scale": _item(data.outer_scale),
+        **_four_over_six_stats(data),
     }
+
+
+def _four_over_six_stats(op: NVFP4Operand) -> Dict[str, object]:
+    """``four_over_six`` and ``mapped_to_4`` of :func:`tensor_stats` for a 4/6 operand, else {}."""
+    fos = op.spec.four_over_six
+    if fos is None:
+        return {}
+    top = _top_codes(unpack_nibbles(op.qdata) & 0x7, op.block).reshape(op.scale.shape)
+    live = op.scale.float() > 0
+    mapped = ((top < E2M1_MAX_CODE) & live).sum().item() / max(live.sum().item(), 1)
+    return {"four_over_six": {"error": fos.error.value, "e4m3_max": fos.e4m3_max,
+                              "fast_math": fos.fast_math}, "mapped_to_4": mapped}
 
 
 def _item(t: torch.Tensor):
@@ -247,9 +271,7 @@ def operand_counts(hp: torch.Tensor, q: NVFP4Tensor, max_rows: int = 512,
     codes = unpack_nibbles(op.qdata) & 0x7
     nonzero = ref != 0
     at_max = (codes == E2M1_MAX_CODE) & (deq != 0)
-    top = codes.reshape(rows, -1, BLOCK).amax(-1)  # the largest code of each 1x16 block
-    if op.block is Block.D2:
-        top = top.reshape(rows // BLOCK, BLOCK, -1).amax(1)
+    top = _top_codes(codes, op.block)
     scale = op.scale.float()
     sums = torch.stack([
         nonzero.sum(), ((deq == 0) & nonzero).sum(),

@@ -298,11 +298,19 @@ class NVFP4Tensor(TorchAOBaseTensor):
         head = (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, device={self.device},\n"
                 f"  block={self.block} ({'16x16' if self.block == '2d' else '1x16'} E4M3 scales), "
                 f"scaling={self.scaling}, rounding={self.rounding}, rht={self.rht_signs is not None}"
-                f"{', transposed view' if self.transposed else ''}")
+                f"{self._four_over_six_repr()}{', transposed view' if self.transposed else ''}")
         if (torch.compiler.is_compiling() or isinstance(self.qdata, FakeTensor) or self.qdata.is_meta
                 or self.numel() == 0):
             return head + ")"  # no values to show (or none while tracing)
         return head + ",\n" + self._value_summary() + ")"
+
+    def _four_over_six_repr(self) -> str:
+        """", 4/6=<error> (E4M3 bound <b>[, fast-math])" for a 4/6-quantized tensor, else ""."""
+        fos = self.four_over_six
+        if fos is None:
+            return ""
+        return (f", 4/6={fos.error.value} (E4M3 bound {fos.e4m3_max}"
+                f"{', fast-math' if fos.fast_math else ''})")
 
     def _value_summary(self) -> str:
         s = self.scale.float()

@@ -497,23 +497,3 @@ def test_a_failed_export_keeps_the_run_and_the_later_recipes_run(tmp_path, capsy
     assert os.listdir(tmp_path / "export") == ["nvfp4-1d-weights"]
     assert "No space left on device" in capsys.readouterr().err
 
-
-def test_set_recipe_turns_four_over_six_off_and_checks_the_backend():
-    model = N.quantize_(nn.Sequential(nn.Linear(64, 64)),
-                        N.NVFP4Recipe(four_over_six="weights", four_over_six_e4m3_max=448))
-    N.set_recipe(model, four_over_six=None)  # the bound goes back to its default with 4/6
-    assert model[0].recipe.four_over_six is None and model[0].recipe.four_over_six_e4m3_max == 256
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="'native' cannot run here"):
-            N.set_recipe(model, backend="native")  # Blackwell only (triton runs interpreted here)
-        assert model[0].recipe.backend.value == "auto"
-
-
-def test_seed_table_without_the_baseline_and_a_tiny_title():
-    from nvfp4_recipe.train.report import format_seed_table
-    from nvfp4_recipe.train.loop import RunResult
-    import dataclasses
-    fields = {f.name: None for f in dataclasses.fields(RunResult)}
-    run = RunResult(**dict(fields, recipe="nvfp4", status="ok", val_loss=3.0))
-    assert "n/a %" not in format_seed_table([run]) and "| n/a" in format_seed_table([run])
-    assert job._param_count(26_000) == "26K" and job._param_count(38_200_000) == "38.2M"
