@@ -12,6 +12,7 @@ before it train.
 (compressed-tensors ``nvfp4-pack-quantized`` or ModelOpt NVFP4, whoever produced it) into a model.
 """
 
+import functools
 import glob
 import json
 import os
@@ -356,12 +357,28 @@ def _materialize_buffers(model: nn.Module) -> None:
                          f"{unset[:5]}; build the model on a real device (or initialize them)")
 
 
+MERGE_REFUSED = ("merging LoRA adapters into an NVFP4 frozen base is not supported: its weight is "
+                 "NVFP4 codes, and the merged weight would need quantizing again. Keep the adapters "
+                 "beside the base (export writes the base; PEFT's save_pretrained the adapters), or "
+                 "merge them into the high-precision model the checkpoint came from")
+
+
+@functools.lru_cache(maxsize=None)
+def _frozen_lora_linear(linear: type) -> type:
+    """PEFT's ``lora.Linear`` (``linear``) on an NVFP4FrozenLinear: ``merge`` (``merge_and_unload``)
+    raises NotImplementedError with :data:`MERGE_REFUSED`."""
+    def merge(self, *args, **kwargs):
+        raise NotImplementedError(MERGE_REFUSED)
+    return type("NVFP4FrozenLoraLinear", (linear,), {"merge": merge, "__module__": __name__})
+
+
 def lora_config(**kwargs):
     """A ``peft.LoraConfig(**kwargs)`` that puts PEFT's ``lora.Linear`` on NVFP4FrozenLinear layers
-    (PEFT's custom-module dispatch, ``LoraConfig._register_custom_module``). Raises ImportError
-    when peft is not installed."""
+    (PEFT's custom-module dispatch, ``LoraConfig._register_custom_module``); merging the adapters
+    into the base raises NotImplementedError saying why. Raises ImportError when peft is not
+    installed."""
     from peft import LoraConfig  # noqa: PLC0415  (optional dependency)
     from peft.tuners.lora.layer import Linear  # noqa: PLC0415
     config = LoraConfig(**kwargs)
-    config._register_custom_module({NVFP4FrozenLinear: Linear})
+    config._register_custom_module({NVFP4FrozenLinear: _frozen_lora_linear(Linear)})
     return config

@@ -207,3 +207,12 @@ def test_each_frozen_layer_has_its_own_sr_stream_and_counts_in_summary(tmp_path)
     assert int(frozen[1].sr_seed) == layer_seed("1") and int(frozen[3].sr_seed) == layer_seed("3")
     table = N.summary(frozen)
     assert "2 of 2 linear layers in NVFP4 (2 frozen)" in table and "frozen (2d scales" in table
+
+
+def test_merging_lora_into_the_frozen_base_says_it_is_not_supported(tmp_path):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(4)
+    _, path = exported(tmp_path, "compressed-tensors", N.NVFP4Recipe())
+    model = peft.get_peft_model(load_frozen(make(), path), lora_config(r=4, target_modules=["1", "3"]))
+    with pytest.raises(NotImplementedError, match="merging LoRA adapters into an NVFP4 frozen base"):
+        model.merge_and_unload()
