@@ -1,4 +1,13 @@
-"""Test setup: without a GPU, run Triton kernels under the interpreter (set before kernels import)."""
+"""Test setup: without a GPU, run Triton kernels under the interpreter (set before kernels import).
+
+Where the tests run the Triton kernels (docs/testing.md): on a machine without a CUDA GPU, in the
+Triton interpreter on CPU tensors; on a GPU machine, compiled on the GPU. The ``kernel_device``
+fixture is that device (``nvfp4_cases.KERNEL_DEVICE``); the tests that compare the kernels
+(directly, through the triton backend, or in layers with backend="triton") with the reference put
+their inputs and modules on it. Tests that need the interpreter are marked
+``nvfp4_cases.interpreter_only`` and skipped on a GPU machine. ``cuda`` tests take the ``device``
+fixture and need a GPU.
+"""
 
 import os
 
@@ -9,11 +18,19 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from nvfp4_cases import KERNEL_DEVICE  # noqa: E402  (after TRITON_INTERPRET)
+
 
 @pytest.fixture
 def device():
     """The device GPU tests run on; CPU tests do not use it."""
     return torch.device("cuda")
+
+
+@pytest.fixture
+def kernel_device():
+    """Where the Triton kernels run: the CPU under the interpreter, the GPU on a GPU machine."""
+    return KERNEL_DEVICE
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,6 +46,7 @@ def pytest_collection_modifyitems(config, items):
 def without_triton_interpreter(monkeypatch):
     """TRITON_INTERPRET unset, as outside the tests on a CPU-only machine, where the Triton
     backend cannot run. The backend is imported first, under the interpreter: Triton and the
-    kernels read the flag once, at import, and later tests still use the interpreter."""
+    kernels read the flag once, at import, and later tests still use the interpreter. (On a GPU
+    machine the flag is not set: CPU tensors cannot run the Triton backend there either.)"""
     import nvfp4_recipe.backends.triton  # noqa: F401
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

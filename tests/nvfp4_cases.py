@@ -1,13 +1,36 @@
 """Shared test inputs and assertions: random operands over many magnitudes, bit-exact comparison of
-two quantizations, the recipe's operand pairs, short test ids."""
+two quantizations, the recipe's operand pairs, short test ids; where the tests run the Triton
+kernels (``KERNEL_DEVICE``, ``interpreter_only``: docs/testing.md)."""
 
+import pytest
 import torch
 
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends import get_backend
+from nvfp4_recipe.kernels.runtime import interpreting
 from nvfp4_recipe.operand import NVFP4Operand
 from nvfp4_recipe.recipe import NVFP4Recipe
 from nvfp4_recipe.spec import GemmRole, QuantSpec
+
+# Whether the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on a
+# machine without a CUDA GPU), and the device of the tests that run them (directly, through the
+# triton backend, or in layers with backend="triton"): CPU tensors under the interpreter, the GPU
+# (compiled kernels) on a GPU machine. Tests take it as the ``kernel_device`` fixture; module-level
+# code (parametrizations, helpers) reads it here.
+INTERPRETING = interpreting()
+KERNEL_DEVICE = torch.device("cpu" if INTERPRETING else "cuda")
+
+
+def interpreter_only(why: str):
+    """Marks a test (or a parametrization) that runs only under the Triton interpreter: skipped on a
+    GPU machine, with ``why`` (what runs instead there) as the reason."""
+    return pytest.mark.skipif(not INTERPRETING,
+                              reason=f"runs under the Triton interpreter only: {why}")
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where a test parametrized by backend runs: KERNEL_DEVICE for "triton", the CPU otherwise."""
+    return KERNEL_DEVICE if backend == "triton" else torch.device("cpu")
 
 
 def rand(shape, dtype=torch.bfloat16, device="cpu", seed=0):

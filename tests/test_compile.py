@@ -1,7 +1,9 @@
 """torch.compile of quantized models on the CPU: Dynamo traces the layers' algorithm with no graph
 break (the backend primitives are registered operators, ``backends/operators.py``), and Inductor
 trains them with eager's results: the same quantized operands, so the gradients differ only by the
-order of Inductor's fp32 sums around them (a few ulps; the bound below is 1e-5 of the largest)."""
+order of Inductor's fp32 sums around them (a few ulps; the bound below is 1e-5 of the largest).
+Models on the Triton backend run on ``kernel_device``: the interpreter on CPU tensors (opaque
+operators), or the GPU (their kernels traced into the graph)."""
 
 import contextlib
 import copy
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 import nvfp4_recipe as nr
+from nvfp4_cases import backend_device, interpreter_only
 from test_moe import MoELayer, tiny_qwen3_moe
 
 TOL = 1e-5
@@ -35,20 +38,26 @@ class TitanMoE(nn.Module):
         return torch.zeros_like(y).index_copy(0, perm, y) + self.moe.shared_experts(x)
 
 
+# Each model and its input on ``backend_device(backend)`` (the Triton backend's on kernel_device).
 def dense(backend, **fields):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    return nr.quantize_(model, nr.NVFP4Recipe(backend=backend, **fields)), torch.randn(48, 32)
+    dev = backend_device(backend)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).to(dev)
+    model = nr.quantize_(model, nr.NVFP4Recipe(backend=backend, **fields))
+    return model, torch.randn(48, 32).to(dev)
 
 
 def titan_moe(backend, **fields):
     torch.manual_seed(0)
-    return nr.quantize_(TitanMoE(), nr.NVFP4Recipe(backend=backend, **fields)), torch.randn(32, 32)
+    dev = backend_device(backend)
+    model = nr.quantize_(TitanMoE().to(dev), nr.NVFP4Recipe(backend=backend, **fields))
+    return model, torch.randn(32, 32).to(dev)
 
 
 def hf_moe(backend):
-    model = nr.quantize_(tiny_qwen3_moe(), nr.NVFP4Recipe(backend=backend))
-    return model, torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    dev = backend_device(backend)
+    model = nr.quantize_(tiny_qwen3_moe().to(dev), nr.NVFP4Recipe(backend=backend))
+    return model, torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(dev)
 
 
 def loss_of(model, x):
@@ -67,8 +76,8 @@ MODELS = {"dense": dense, "titan_moe": titan_moe, "hf_moe": hf_moe}
 @pytest.mark.parametrize("name", list(MODELS))
 def test_no_graph_breaks(name, backend):
     """``torch._dynamo.explain``: one graph, no break, for a dense model, torchtitan-style
-    experts and a Hugging Face MoE (the Triton backend under the interpreter on CPU); and no
-    warning from Dynamo about the package's code (e.g. a traced ``lru_cache``)."""
+    experts and a Hugging Face MoE (the Triton backend on ``kernel_device``); and no warning from
+    Dynamo about the package's code (e.g. a traced ``lru_cache``)."""
     model, x = MODELS[name](backend)
     assert nvfp4_modules(model)
     torch._dynamo.reset()
@@ -143,8 +152,9 @@ def test_compiled_under_autocast_as_eager(name, fields):
     """Under bf16 autocast the traced layers switch nothing (the graph must stay cacheable) and
     still compute as eager, which switches autocast off around its GEMMs: the same outputs and
     gradients bit for bit, high-precision GEMMs included."""
+    device_type = backend_device("triton").type
     check_traced_as_eager(*MODELS[name]("triton", **fields),
-                          lambda: torch.autocast("cpu", torch.bfloat16))
+                          lambda: torch.autocast(device_type, torch.bfloat16))
 
 
 def check_traced_as_eager(model, x, context):
@@ -160,6 +170,8 @@ def check_traced_as_eager(model, x, context):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
 
 
+@interpreter_only("test_compile_cuda.py::test_a_second_compile_loads_from_the_autograd_cache is "
+                  "this test on the GPU")
 def test_a_second_compile_loads_from_the_autograd_cache(tmp_path, monkeypatch):
     """With torch's opt-in for custom autograd Functions
     (``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=1``), compiling the model again (a new

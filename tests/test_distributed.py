@@ -29,7 +29,7 @@ from nvfp4_recipe.linear import NVFP4Linear
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.spec import GemmRole
 
-from nvfp4_cases import assert_same, idfn, rand, signs_for, spec
+from nvfp4_cases import assert_same, idfn, interpreter_only, rand, signs_for, spec
 
 WORLD = 2
 D_IN, D_HID = 64, 128
@@ -264,8 +264,11 @@ def _halves_reducer(whole_amax, calls):
     return reduce
 
 
-@pytest.mark.parametrize("backend, where", [("reference", "cpu"), ("triton", "cpu"),
-                                            pytest.param("triton", "cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("backend, where", [
+    ("reference", "cpu"),
+    pytest.param("triton", "cpu",
+                 marks=interpreter_only("its [triton-cuda] parametrization runs on the GPU")),
+    pytest.param("triton", "cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("sp", [spec(), spec(rht=True), spec(scaling="per_token", rht=True),
                                 spec(rht=True, amax_scale=2.0)], ids=idfn)
 def test_amax_reduce_quantizes_a_row_shard_as_the_whole_tensor(backend, where, sp):

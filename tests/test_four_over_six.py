@@ -154,10 +154,10 @@ def test_from_hp_takes_the_4_over_6_arguments():
 @pytest.mark.parametrize("sp", [QuantSpec("2d", four_over_six=FourOverSix("mse", 256)),
                                 QuantSpec(scaling="per_token", four_over_six=FourOverSix())],
                          ids=["2d", "1d-per_token"])
-def test_triton_backend_quantizes_transposed_views_as_the_reference(sp):
+def test_triton_backend_quantizes_transposed_views_as_the_reference(sp, kernel_device):
     """A transposed view is read through its base; with 4/6 the 2d tiles of x.t() are not the
     transpose of x's (a tile's row errors add in another order), so they are quantized as x.t()."""
-    x = fresh((64, 48), torch.bfloat16).t()
+    x = fresh((64, 48), torch.bfloat16).to(kernel_device).t()
     t = NVFP4Tensor.from_hp(x, block=sp.block.value, scaling=sp.scaling.value,
                             four_over_six=sp.four_over_six.error.value,
                             four_over_six_e4m3_max=sp.four_over_six.e4m3_max, backend="triton")

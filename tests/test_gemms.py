@@ -7,14 +7,15 @@ import torch
 import nvfp4_recipe as nr
 from nvfp4_recipe import gemms
 from nvfp4_recipe.backends import get_backend
-from nvfp4_cases import rand
+from nvfp4_cases import INTERPRETING, backend_device, rand
 
 
 def run(layout, w, recipe, backend, x, dy):
     """(Y, dX, dW) of :class:`gemms.GemmsFn` under ``layout`` with the SR stream (1234, step 0)."""
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    sr = (torch.tensor(1234), torch.tensor(0), 0)
-    y = gemms.GemmsFn.apply(x, w, None, recipe.signs(), sr, recipe, backend, x.dtype, layout)
+    sr = (torch.tensor(1234, device=x.device), torch.tensor(0, device=x.device), 0)
+    y = gemms.GemmsFn.apply(x, w, None, recipe.signs().to(x.device), sr, recipe, backend, x.dtype,
+                            layout)
     y.backward(dy)
     return y, x.grad, w.grad
 
@@ -26,16 +27,24 @@ def run(layout, w, recipe, backend, x, dy):
 def test_dense_layer_is_one_group(backend, fields):
     """Y, dX and dW of the dense layout equal those of the grouped layout with one group of all
     the tokens and one expert (the weight with a leading dim of 1): bit for bit on the reference
-    backend; on the Triton backend up to the fp32 summation order of its (grouped) GEMMs."""
+    backend; on the Triton backend up to the fp32 summation order of its (grouped) GEMMs (the
+    Triton backend on ``kernel_device``: the interpreter on CPU tensors, compiled on a GPU)."""
     recipe = nr.NVFP4Recipe(backend=backend, **fields)
-    name = get_backend(backend, "cpu").name
-    x, w, dy = rand((48, 64), seed=1), rand((32, 64), torch.float32, seed=2), rand((48, 32), seed=3)
+    dev = backend_device(backend)
+    name = get_backend(backend, dev).name
+    x, w = rand((48, 64), device=dev, seed=1), rand((32, 64), torch.float32, dev, seed=2)
+    dy = rand((48, 32), device=dev, seed=3)
     dense = run(gemms.Dense(), w, recipe, name, x, dy)
-    offs = torch.tensor([48], dtype=torch.int32)
+    offs = torch.tensor([48], dtype=torch.int32, device=dev)
     grouped = run(gemms.Grouped(offs), w[None], recipe, name, x, dy)
     for a, b in zip(dense, grouped):
         b = b.reshape(a.shape)
         if backend == "reference":
             assert torch.equal(a, b)
-        else:
-            assert (a.float() - b.float()).abs().max() <= 1e-6 * a.float().abs().max()
+            continue
+        tol = 1e-6 * a.float().abs().max()
+        if not INTERPRETING and a.dtype != torch.float32:
+            # compiled, the dense GEMM and the grouped one are different kernels: their fp32 sums
+            # may differ in the last bits and round a 16-bit output to its neighbour (2**-7 of it)
+            tol = tol + 2.0**-7 * a.float().abs()
+        assert ((a.float() - b.float()).abs() <= tol).all()

@@ -13,12 +13,12 @@ from nvfp4_cases import idfn, rand, signs_for
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=idfn)
 @pytest.mark.parametrize("rht", [False, True])
-def test_amax_kernel(rht, dtype):
+def test_amax_kernel(rht, dtype, kernel_device):
     """9 tiles of 32 x 32 for 4 programs under the interpreter: the persistent grid's programs
     loop over several tiles and fold their maxima together. The RHT amax is of the transform
     rounded to the input dtype (spec item 7)."""
-    x = rand((80, 96), dtype, seed=5)
-    signs = signs_for()
+    x = rand((80, 96), dtype, kernel_device, seed=5)
+    signs = signs_for().to(kernel_device)
     r, c = A.amax(x, A.PER_INDEX, A.PER_INDEX, rht, signs if rht else None)
     xt = R.rht(x.t(), signs) if rht else x.t().float()
     assert torch.equal(r, R.amax(x, Scaling.PER_TOKEN))
@@ -32,10 +32,10 @@ def test_amax_kernel(rht, dtype):
 @pytest.mark.parametrize("rht", [False, True])
 @pytest.mark.parametrize("row,col", [(A.TENSOR, A.NONE), (A.PER_INDEX, A.NONE), (A.NONE, A.TENSOR),
                                      (A.NONE, A.PER_INDEX), (A.NONE, A.NONE)])
-def test_amax_kernel_one_output(row, col, rht):
+def test_amax_kernel_one_output(row, col, rht, kernel_device):
     """Asking for one amax gives it alone, in its own shape (() or one per index), the other None."""
-    x = rand((48, 80), torch.bfloat16, seed=6)
-    signs = signs_for()
+    x = rand((48, 80), torch.bfloat16, kernel_device, seed=6)
+    signs = signs_for().to(kernel_device)
     xt = R.rht(x.t(), signs) if rht else x.t().float()
     r, c = A.amax(x, row, col, rht, signs)
     want = {A.NONE: None, A.TENSOR: Scaling.PER_TENSOR, A.PER_INDEX: Scaling.PER_TOKEN}
@@ -76,17 +76,17 @@ def check_rht_amax_nonfinite(device, along_k=False):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("along_k", [False, True], ids=["along M", "along K"])
-def test_rht_amax_nonfinite(along_k):
-    check_rht_amax_nonfinite("cpu", along_k)
+def test_rht_amax_nonfinite(along_k, kernel_device):
+    check_rht_amax_nonfinite(kernel_device, along_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=idfn)
-def test_row_rht_amax(dtype):
+def test_row_rht_amax(dtype, kernel_device):
     """The amax of the RHT along K (a rowwise RHT copy) reads row blocks: global and per row, with
     several tiles per program under the interpreter, equal to the reference's (the transform
     rounded to the input dtype, spec item 7)."""
-    x = rand((80, 96), dtype, seed=9)
-    signs = signs_for()
+    x = rand((80, 96), dtype, kernel_device, seed=9)
+    signs = signs_for().to(kernel_device)
     ref = R.rht(x, signs)
     r, c = A.amax(x, A.TENSOR, A.NONE, signs=signs, row_rht=True)
     assert c is None and torch.equal(r, R.amax(ref, Scaling.PER_TENSOR))

@@ -34,7 +34,7 @@ def test_dequantize_inner_needs_no_outer_scale():
 
 
 def test_dequantize_of_an_empty_operand():
-    op = random_operand(0, 64)
+    op = random_operand(0, 64, device=DEV)
     assert dequantize_inner(op).shape == (0, 64)
 
 

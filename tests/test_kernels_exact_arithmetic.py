@@ -1,8 +1,8 @@
 """The fp32 shortcuts the quantize kernels take for the spec's divisions and roundings
 (``kernels/rounding.py``, ``kernels/four_over_six.py``) give the spec's bits: exhaustively over fp32
 significands where the claim is about every value, and through the quantize kernels at the amaxes
-where they fall back to fp64. On the CPU under the Triton interpreter; compiled on a GPU (``cuda``),
-where the remainder is one hardware FMA."""
+where they fall back to fp64. On ``kernel_device`` (the CPU under the Triton interpreter, the GPU
+on a GPU machine) and compiled on a GPU (``cuda``), where the remainder is one hardware FMA."""
 
 import pytest
 import torch
@@ -97,11 +97,11 @@ def check_in_range(device):
 
 @pytest.mark.parametrize("scale", [2.0**-110, 2.0**-95, 2.0**95, 2.0**110])
 @pytest.mark.parametrize("bound", [256, 448])
-def test_four_over_six_at_extreme_amaxes(scale, bound):
+def test_four_over_six_at_extreme_amaxes(scale, bound, kernel_device):
     """Tensors whose amax is outside [2**-100, 2**100] take the fp64 divisions, those inside the
     fp32 ones; per-token rows of both kinds in one program too. Both give the reference's bits."""
     fos = FourOverSix("mae", bound)
-    x = rand((32, 64), torch.float32, seed=int(torch.randint(0, 2**31, ())))
+    x = rand((32, 64), torch.float32, kernel_device, seed=int(torch.randint(0, 2**31, ())))
     x = x / x.abs().amax() * scale
     x[1] *= 2.0**-40  # per token: a row far below the others
     for sp in (QuantSpec(four_over_six=fos), QuantSpec(scaling="per_token", four_over_six=fos)):
@@ -111,28 +111,28 @@ def test_four_over_six_at_extreme_amaxes(scale, bound):
 
 
 @pytest.mark.parametrize("amax", [2.0**-120, 2.0**-114, 1e-30, 3.0])
-def test_outer_scale_of_tiny_amaxes(amax):
+def test_outer_scale_of_tiny_amaxes(amax, kernel_device):
     """S_dec = 1 / S_enc is subnormal for amaxes below about 2**-114: the fp64 branch."""
-    x = rand((32, 64), torch.float32)
+    x = rand((32, 64), torch.float32, kernel_device)
     x = x / x.abs().amax() * amax
     for sp in (QuantSpec(), QuantSpec(scaling="per_token")):
         assert_same(quantize_1d(x, sp)[0], R.quantize(x, sp))
 
 
-def test_div_exact():
-    check_div_exact("cpu")
+def test_div_exact(kernel_device):
+    check_div_exact(kernel_device)
 
 
-def test_e2m1_value():
-    check_e2m1_value("cpu")
+def test_e2m1_value(kernel_device):
+    check_e2m1_value(kernel_device)
 
 
-def test_reciprocal():
-    check_reciprocal("cpu")
+def test_reciprocal(kernel_device):
+    check_reciprocal(kernel_device)
 
 
-def test_in_range():
-    check_in_range("cpu")
+def test_in_range(kernel_device):
+    check_in_range(kernel_device)
 
 
 @pytest.mark.cuda

@@ -23,7 +23,6 @@ So |out - ref| <= 2 gamma_K S (|A| @ |B|^T) + 4 * 2**-24 (|ref| + |bias|) + half
 elementwise, where delta is the sum of the first two terms; |A| @ |B|^T is computed in float64.
 """
 
-import os
 import zlib
 from unittest import mock
 
@@ -36,9 +35,10 @@ from nvfp4_recipe.kernels.dequantize import dequantize_inner
 from nvfp4_recipe.operand import NVFP4Operand
 from nvfp4_recipe.spec import Block, QuantSpec
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from nvfp4_cases import INTERPRETING, KERNEL_DEVICE
+
 # The small-shape tests run under the interpreter on CPU and compiled on a GPU when there is one.
-DEV = "cpu" if INTERPRETING else "cuda"
+DEV = KERNEL_DEVICE
 HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 LAYOUTS = ("fprop_2d", "fprop_1d", "dgrad", "wgrad")
 

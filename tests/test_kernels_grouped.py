@@ -2,9 +2,10 @@
 
 Quantization must equal ``reference.quantize`` called on each group alone, bit for bit, with the SR
 counter bases of docs/moe.md; the grouped GEMM must equal the dense reference GEMM of each group
-within the fp32 accumulation bound of tests/test_kernels_gemm.py (its docstring derives it). CPU
-runs use the Triton interpreter on small shapes with an empty group and rows past the last group;
-``cuda`` tests run the compiled kernels on larger, uneven groups.
+within the fp32 accumulation bound of tests/test_kernels_gemm.py (its docstring derives it). Small
+shapes with an empty group and rows past the last group run on ``DEV`` (the Triton interpreter on
+CPU tensors; compiled on a GPU machine); ``cuda`` tests run the compiled kernels on larger, uneven
+groups.
 """
 
 import dataclasses
@@ -70,7 +71,7 @@ def test_pair_matches_per_group_reference(name, row, col):
     """Both copies of the recipe's operand pairs (X: RN + RHT column copy; dY: SR + SR RHT;
     estimated amax; per-token scales with RHT), codes and outer scales of every group, the empty
     one included."""
-    check_grouped(rand((112, 48), seed=1), offsets(OFFS), row, col, signs=signs_for())
+    check_grouped(rand((112, 48), device=DEV, seed=1), offsets(OFFS), row, col, signs=signs_for())
 
 
 def test_rht_amax_of_infinities_is_nan():
@@ -94,8 +95,9 @@ def test_rht_amax_of_infinities_is_nan():
 def test_inner_values_match_per_group_reference(inner):
     """Transient copies come back as fp16 inner values equal to the reference's dequantized codes."""
     r = NVFP4Recipe()
-    check_grouped(rand((112, 48), torch.float32, seed=2), offsets(OFFS), r.spec(GemmRole.DY_DGRAD),
-                  r.spec(GemmRole.DY_WGRAD), inner, seed=torch.tensor(5), signs=signs_for())
+    check_grouped(rand((112, 48), torch.float32, DEV, seed=2), offsets(OFFS),
+                  r.spec(GemmRole.DY_DGRAD), r.spec(GemmRole.DY_WGRAD), inner,
+                  seed=torch.tensor(5, device=DEV), signs=signs_for())
 
 
 @pytest.mark.parametrize("row,col", [
@@ -105,7 +107,7 @@ def test_inner_values_match_per_group_reference(inner):
 ], ids=idfn)
 def test_one_copy_matches_per_group_reference(row, col):
     """Either copy alone, fp16 input, the per-group amax shared by nothing."""
-    check_grouped(rand((112, 64), torch.float16, seed=3), offsets(OFFS), row, col,
+    check_grouped(rand((112, 64), torch.float16, DEV, seed=3), offsets(OFFS), row, col,
                   signs=signs_for())
 
 
@@ -152,7 +154,7 @@ FOS_IDS = [p[0] for p in FOS_PAIRS]
 
 @pytest.mark.parametrize("name,row,col", FOS_PAIRS, ids=FOS_IDS)
 def test_four_over_six_pair_matches_per_group_reference(name, row, col):
-    check_grouped(rand((112, 48), seed=6), offsets(OFFS), row, col, signs=signs_for())
+    check_grouped(rand((112, 48), device=DEV, seed=6), offsets(OFFS), row, col, signs=signs_for())
 
 
 def four_over_six_weight_specs():
@@ -259,7 +261,8 @@ def test_bad_arguments_raise():
         quantize_grouped(x[:24], offs, None, spec())
     with pytest.raises(ValueError, match="columnwise copy"):
         quantize_grouped(x, offs, spec(), dequantize=(quantize_grouped(x, offs, spec())[0].data,
-                                                      torch.empty(32, 32, dtype=torch.float16)))
+                                                      torch.empty(32, 32, dtype=torch.float16,
+                                                                  device=DEV)))
     with pytest.raises(ValueError, match="per-tensor spec"):
         quantize_experts(x.reshape(2, 16, 32), spec(scaling="per_token"))
     rows, cols = quantize_grouped(x, offs, spec(), spec())
@@ -268,9 +271,10 @@ def test_bad_arguments_raise():
         grouped_scaled_mm(rows, wq)
     wq2, _ = quantize_experts(rand((2, 16, 32)).to(DEV), spec(block="2d"))
     with pytest.raises(ValueError, match=r"A's outer scale must be a contiguous float32 \(2,\)"):
-        grouped_scaled_mm(rows._replace(data=rows.data._replace(outer_scale=torch.ones(3))), wq2)
+        bad = rows.data._replace(outer_scale=torch.ones(3, device=DEV))
+        grouped_scaled_mm(rows._replace(data=bad), wq2)
     with pytest.raises(ValueError, match=r"B's outer scale"):
-        grouped_scaled_mm(rows, wq2._replace(outer_scale=torch.ones(4)))
+        grouped_scaled_mm(rows, wq2._replace(outer_scale=torch.ones(4, device=DEV)))
     with pytest.raises(TypeError, match="int32"):
         grouped_scaled_mm(rows._replace(offs=rows.offs.long()), wq2)
     cfg = {k: v for k, v in _INTERP_GROUPED_GEMM_CONFIG.items() if k != "P"}  # P defaults to 1

@@ -1,7 +1,8 @@
 """The quantize kernels (``kernels/quantize.py``) are bit-exact with the reference.
 
-CPU tests run the kernels under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
-without a GPU) on small ragged shapes; ``cuda`` tests run them compiled on larger ones.
+The small ragged shapes run on ``kernel_device``: under the Triton interpreter on CPU tensors
+(tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), compiled on a GPU machine; ``cuda`` tests
+run the compiled kernels on larger ones.
 """
 
 import dataclasses
@@ -47,47 +48,50 @@ def check_pair(x, row, col, inner=(False, False), seed=0, row_offset=0, col_offs
     (spec(scaling="per_token", rht=True, amax_scale=1.37), (32, 48), torch.float16),
     (spec(scaling="per_token", rht=True), (48, 208), torch.bfloat16),  # per-row RHT amax, loop tiles
 ], ids=idfn)
-def test_rowwise_matches_reference(sp, shape, dtype):
-    check_pair(rand(shape, dtype), sp, None, seed=11, row_offset=5, signs=signs_for())
+def test_rowwise_matches_reference(sp, shape, dtype, kernel_device):
+    check_pair(rand(shape, dtype, kernel_device), sp, None, seed=11, row_offset=5,
+               signs=signs_for())
 
 
 @pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr")], ids=idfn)
-def test_rowwise_loop_tail(sp):
+def test_rowwise_loop_tail(sp, kernel_device):
     """Rowwise-only calls run the prefetch-loop kernel: several tiles per program, a program whose
     last tiles are partly or wholly past K, and M not a multiple of the tile height; the Philox
     counter wraps."""
-    check_pair(rand((40, 208), torch.bfloat16, seed=5), sp, None, seed=3, row_offset=2**32 - 100)
+    check_pair(rand((40, 208), torch.bfloat16, kernel_device, seed=5), sp, None, seed=3,
+               row_offset=2**32 - 100)
 
 
 @pytest.mark.parametrize("name,row,col", recipe_pairs(), ids=PAIR_IDS)
 @pytest.mark.parametrize("inner", [(False, False), (True, True), (True, False), (False, True)], ids=idfn)
-def test_pair_matches_reference(name, row, col, inner):
-    check_pair(rand((48, 80), seed=1), row, col, inner, seed=torch.tensor(123), row_offset=3,
-               col_offset=2**31, signs=signs_for())
+def test_pair_matches_reference(name, row, col, inner, kernel_device):
+    check_pair(rand((48, 80), device=kernel_device, seed=1), row, col, inner,
+               seed=torch.tensor(123, device=kernel_device), row_offset=3, col_offset=2**31,
+               signs=signs_for())
 
 
 @pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr"),
                                 spec(rounding="sr", rht=True)], ids=idfn)
-def test_inner_rowwise_only(sp):
+def test_inner_rowwise_only(sp, kernel_device):
     """The rowwise-only (prefetch loop) kernel with inner values."""
-    check_pair(rand((40, 208), torch.float32, seed=6), sp, None, (True, False), seed=3, row_offset=9,
-               signs=signs_for())
+    check_pair(rand((40, 208), torch.float32, kernel_device, seed=6), sp, None, (True, False),
+               seed=3, row_offset=9, signs=signs_for())
 
 
-def test_rowwise_rht_with_a_columnwise_copy():
+def test_rowwise_rht_with_a_columnwise_copy(kernel_device):
     """An RHT along K runs in the rowwise-only kernel, so a call that also asks for a columnwise
     copy makes it in a second pass; both equal the reference's."""
     sp = spec(rounding="sr", rht=True)
-    check_pair(rand((48, 80), seed=13), sp, sp, (False, True), seed=4, row_offset=1,
-               col_offset=2**31, signs=signs_for())
+    check_pair(rand((48, 80), device=kernel_device, seed=13), sp, sp, (False, True), seed=4,
+               row_offset=1, col_offset=2**31, signs=signs_for())
 
 
 @pytest.mark.parametrize("sp", [spec(block="2d"), spec(block="2d", rounding="sr", amax_scale=0.75)], ids=idfn)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=idfn)
 @pytest.mark.parametrize("inner", [False, True], ids=["codes", "inner"])
-def test_2d_w_and_wt_from_one_read(sp, dtype, inner):
+def test_2d_w_and_wt_from_one_read(sp, dtype, inner, kernel_device):
     """W (as codes, or as the fp16 inner values its fprop GEMM reads) and W^T from one read."""
-    w = rand((48, 80), dtype, seed=2)
+    w = rand((48, 80), dtype, kernel_device, seed=2)
     wq, wtq = quantize_2d(w, sp, seed=7, offset=9, inner=inner)
     ref = R.quantize(w, sp, seed=7, offset=9)
     if inner:
@@ -117,16 +121,18 @@ def check_dequantize_rider(x, b_shape, device="cpu", block="1d"):
 
 @pytest.mark.parametrize("b_shape,block", [((40, 80), "1d"), ((112, 1024), "1d"), ((48, 80), "2d")],
                          ids=idfn)
-def test_dequantize_rides_on_the_pair(b_shape, block):
+def test_dequantize_rides_on_the_pair(b_shape, block, kernel_device):
     """Ragged rider shapes (rows and K not multiples of the dequantize tile), fewer and more
     rider tiles than programs, 1d and 2d blocks."""
-    check_dequantize_rider(rand((48, 80), seed=4), b_shape, block=block)
+    check_dequantize_rider(rand((48, 80), device=kernel_device, seed=4), b_shape, kernel_device,
+                           block)
 
 
-def test_rejects_bad_input():
-    x = rand((32, 32))
-    b = quantize_1d(rand((16, 32)), spec())[0]
-    good = torch.empty(16, 32, dtype=torch.float16)
+def test_rejects_bad_input(kernel_device):
+    ones = lambda *shape, **kw: torch.ones(*shape, device=kernel_device, **kw)
+    x = rand((32, 32), device=kernel_device)
+    b = quantize_1d(rand((16, 32), device=kernel_device), spec())[0]
+    good = torch.empty(16, 32, dtype=torch.float16, device=kernel_device)
     with pytest.raises(ValueError, match="columnwise copy"):
         quantize_1d(x, spec(), dequantize=(b, good))
     with pytest.raises(ValueError, match=r"out must be \(16, 32\)"):
@@ -134,33 +140,33 @@ def test_rejects_bad_input():
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         quantize_1d(x, col=spec(), dequantize=(b._replace(scale=b.qdata), good))
     with pytest.raises(TypeError, match="int32"):
-        quantize_1d(torch.ones(16, 16, dtype=torch.int32), spec())
+        quantize_1d(ones(16, 16, dtype=torch.int32), spec())
     with pytest.raises(ValueError, match="multiple of 16"):
-        quantize_1d(torch.ones(16, 24), spec())
+        quantize_1d(ones(16, 24), spec())
     with pytest.raises(ValueError, match="quantize_2d"):
-        quantize_1d(torch.ones(16, 16), spec(block="2d"))
+        quantize_1d(ones(16, 16), spec(block="2d"))
     with pytest.raises(ValueError, match="RHT signs"):
-        quantize_1d(torch.ones(16, 16), col=spec(rht=True))
+        quantize_1d(ones(16, 16), col=spec(rht=True))
     with pytest.raises(ValueError, match="2d spec"):
-        quantize_2d(torch.ones(16, 16), spec())
+        quantize_2d(ones(16, 16), spec())
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: Inf / NaN
 @pytest.mark.parametrize("sp", [spec(), spec(scaling="per_token", rounding="sr")], ids=idfn)
-def test_zero_tiny_and_huge(sp):
+def test_zero_tiny_and_huge(sp, kernel_device):
     """All-zero rows (S_enc = FLT_MAX), tensors so small that S_enc saturates and S_dec is an fp32
     subnormal (the fp64 division), and one near the fp32 maximum."""
-    x = rand((32, 48), torch.float32)
+    x = rand((32, 48), torch.float32, kernel_device)
     x[5] = 0.0
-    for t in (torch.zeros(32, 48), x, x * 1e-37, x * 1e-31, x * 1e33):
+    for t in (torch.zeros(32, 48, device=kernel_device), x, x * 1e-37, x * 1e-31, x * 1e33):
         check_pair(t, sp, sp, seed=1)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_nonfinite_propagates():
+def test_nonfinite_propagates(kernel_device):
     """An Inf or a NaN makes the amax, the outer scale and the blocks non-finite as in the
     reference. NaN sign bits are platform-defined (x86 and CUDA differ), so they are ignored."""
-    x = rand((32, 48), torch.float32)
+    x = rand((32, 48), torch.float32, kernel_device)
     for bad in (float("inf"), float("nan")):
         y = x.clone()
         y[3, 7] = bad
@@ -192,10 +198,10 @@ FOS_2D = [QuantSpec("2d", four_over_six=fos()), QuantSpec("2d", rounding="sr", f
 
 
 @pytest.mark.parametrize("row,col", FOS_1D, ids=lambda s: idfn(s) + ("-4o6" if s else ""))
-def test_four_over_six_pair_matches_reference(row, col):
+def test_four_over_six_pair_matches_reference(row, col, kernel_device):
     """4/6 copies (docs/numerics.md item 11) from the pair kernel, and the rowwise copy alone from
     the prefetch-loop kernel (with the RHT along K when asked), bit for bit."""
-    x = rand((48, 80), torch.bfloat16, seed=int(torch.randint(0, 2**31, ())))
+    x = rand((48, 80), torch.bfloat16, kernel_device, seed=int(torch.randint(0, 2**31, ())))
     check_pair(x, row, col, seed=11, row_offset=5, col_offset=9, signs=signs_for())
     if row is not None:
         check_pair(x, dataclasses.replace(row, rht=True), None, seed=11, row_offset=5,
@@ -204,8 +210,8 @@ def test_four_over_six_pair_matches_reference(row, col):
 
 @pytest.mark.parametrize("sp", FOS_2D, ids=idfn)
 @pytest.mark.parametrize("inner", [False, True], ids=["codes", "inner"])
-def test_four_over_six_2d_w_and_wt_match_reference(sp, inner):
-    w = rand((48, 64), torch.float32, seed=int(torch.randint(0, 2**31, ())))
+def test_four_over_six_2d_w_and_wt_match_reference(sp, inner, kernel_device):
+    w = rand((48, 64), torch.float32, kernel_device, seed=int(torch.randint(0, 2**31, ())))
     wq, wtq = quantize_2d(w, sp, seed=2, offset=1, inner=inner)
     ref = R.quantize(w, sp, seed=2, offset=1)
     (assert_inner_equals if inner else assert_same)(wq, ref)

@@ -1,5 +1,6 @@
-"""The kernels' E2M1 rounding (RN and TE's SR rule) and Philox stream against the reference, on the
-CPU under the Triton interpreter and compiled on a GPU (``cuda``)."""
+"""The kernels' E2M1 rounding (RN and TE's SR rule) and Philox stream against the reference, on
+``kernel_device`` (the CPU under the Triton interpreter, the GPU on a GPU machine) and compiled on a
+GPU (``cuda``)."""
 
 import pytest
 import torch
@@ -62,8 +63,8 @@ def check_rounding(device):
         assert bad.numel() == 0, (sr, v[bad], bits[bad], out[bad], ref[bad])
 
 
-def test_rounding_helpers():
-    check_rounding("cpu")
+def test_rounding_helpers(kernel_device):
+    check_rounding(kernel_device)
 
 
 @triton.jit
@@ -95,8 +96,8 @@ def check_philox(device):
         assert torch.equal(bits.cpu(), R.sr_bits(seed, offset % 2**31, (32 * 32,)))
 
 
-def test_philox():
-    check_philox("cpu")
+def test_philox(kernel_device):
+    check_philox(kernel_device)
 
 
 @pytest.mark.cuda

@@ -157,20 +157,20 @@ assert _allocation._allocator.get() is default is _allocation._NULL_ALLOCATOR is
     assert done.returncode == 0, done.stderr
 
 
-def test_scratch_kernel_launch_sets_the_allocator_in_its_own_thread_only():
+def test_scratch_kernel_launch_sets_the_allocator_in_its_own_thread_only(kernel_device):
     """A GEMM launch (it needs global scratch for its TMA descriptors) makes the package's
     allocator Triton's in the launching thread, a fresh one as autograd's backward thread is;
     another thread keeps Triton's default. Under the interpreter the launch goes through
     ``kernel[grid]``, so this checks the kernel's pre-run hook, the path of a first launch and of
-    a launch torch.compile recorded."""
+    a launch torch.compile recorded (on a GPU, a cached launch sets it directly)."""
     from triton.runtime import _allocation
 
     from nvfp4_recipe.kernels import gemm as G
     from nvfp4_recipe.kernels.runtime import _scratch
 
     gen = torch.Generator().manual_seed(5)
-    a16, b16 = (torch.randn(32, 64, generator=gen).half() for _ in range(2))
-    one = torch.ones(())
+    a16, b16 = (torch.randn(32, 64, generator=gen).half().to(kernel_device) for _ in range(2))
+    one = torch.ones((), device=kernel_device)
 
     def launch():
         out = G.triton_mm(a16, one, b16, one, None, torch.float32)

@@ -16,6 +16,8 @@ from nvfp4_recipe.linear import linear_fprop, linear_grads
 from nvfp4_recipe.recipe import SR_OFFSETS
 from nvfp4_recipe.spec import Block, GemmRole, QuantSpec
 
+from nvfp4_cases import backend_device
+
 RECIPES = {
     "default": NVFP4Recipe(),
     "per_token": NVFP4Recipe(scaling="per_token"),
@@ -126,10 +128,11 @@ def check_next_sr_key(draw, device):
         assert int(step) == before + 1
 
 
-def test_next_sr_key_kernel_matches_torch_ops():
-    """The one-launch key kernel (run here by the interpreter on CPU tensors) against sr_key."""
+def test_next_sr_key_kernel_matches_torch_ops(kernel_device):
+    """The one-launch key kernel (run by the interpreter on CPU tensors, compiled on a GPU
+    machine) against sr_key."""
     from nvfp4_recipe.kernels.philox import next_key
-    check_next_sr_key(next_key, "cpu")
+    check_next_sr_key(next_key, kernel_device)
     check_next_sr_key(nr.layer.next_sr_key, "cpu")  # the torch-op path off CUDA
 
 
@@ -208,15 +211,16 @@ def test_compile_fullgraph_forward_backward(backend):
 
 
 @pytest.mark.parametrize("name", ["default", "per_token"])
-def test_triton_backend_matches_reference(name):
-    """The Triton kernels (under the interpreter on CPU) against the reference backend: the same
-    quantized operands, so only the fp32 accumulation order of the GEMMs may differ."""
+def test_triton_backend_matches_reference(name, kernel_device):
+    """The Triton kernels (under the interpreter on CPU; compiled on a GPU machine, both layers on
+    the GPU) against the reference backend: the same quantized operands, so only the fp32
+    accumulation order of the GEMMs may differ."""
     torch.manual_seed(0)
-    ref = NVFP4Linear(64, 32, recipe=RECIPES[name])
+    ref = NVFP4Linear(64, 32, recipe=RECIPES[name]).to(kernel_device)
     tri = copy.deepcopy(ref)
     tri.recipe = dataclasses.replace(RECIPES[name], backend="triton")
-    x = torch.randn(2, 16, 64)
-    dy = torch.randn(2, 16, 32)
+    x = torch.randn(2, 16, 64).to(kernel_device)
+    dy = torch.randn(2, 16, 32).to(kernel_device)
     out = []
     for layer in (ref, tri):
         xi = x.clone().requires_grad_()
@@ -257,9 +261,10 @@ def test_eager_calls_equal_the_registered_operators(backend):
     (``backends/operators.py``) must return the same bits, through the layer's whole algorithm."""
     torch.manual_seed(0)
     r = NVFP4Recipe(backend=backend)
-    be = get_backend(backend, "cpu")
-    x, w, dy = torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)
-    seed, signs = torch.tensor(7 + (3 << 32)), r.signs()
+    dev = backend_device(backend)
+    be = get_backend(backend, dev)
+    x, w, dy = (t.to(dev) for t in (torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)))
+    seed, signs = torch.tensor(7 + (3 << 32), device=dev), r.signs().to(dev)
 
     def run(compiling: bool):
         with mock.patch.object(torch.compiler, "is_compiling", lambda: compiling):
@@ -488,7 +493,7 @@ def check_cached_weights(monkeypatch, backend: str, device: str, dtype=torch.flo
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_cached_weights_quantize_once_and_give_the_same_outputs(monkeypatch, backend):
-    check_cached_weights(monkeypatch, backend, "cpu")
+    check_cached_weights(monkeypatch, backend, backend_device(backend))
 
 
 @pytest.mark.cuda
@@ -559,18 +564,20 @@ class Conv1D(nn.Module):
 def test_conv1d_trains_as_nvfp4linear_on_its_transposed_weight(backend, weight_2d):
     """quantize_ makes a Conv1D an NVFP4Conv1D on the same (in, out) Parameter; its forward and
     backward, two steps (the SR stream advances), equal those of an NVFP4Linear holding W^T bit
-    for bit: the transposed view quantizes as the contiguous W^T on both backends."""
+    for bit: the transposed view quantizes as the contiguous W^T on both backends (the Triton
+    backend on ``kernel_device``)."""
     recipe = NVFP4Recipe(backend=backend, weight_2d=weight_2d)
-    conv = Conv1D(48, 32)
+    dev = backend_device(backend)
+    conv = Conv1D(48, 32).to(dev)
     layer = quantize_(nn.Sequential(conv), recipe)[0]
     assert type(layer) is nr.NVFP4Conv1D and layer.weight is conv.weight
     assert layer.weight.shape == (32, 48) and (layer.in_features, layer.out_features) == (32, 48)
-    twin = NVFP4Linear(32, 48, recipe=recipe, layer_seed=layer.layer_seed)
+    twin = NVFP4Linear(32, 48, recipe=recipe, layer_seed=layer.layer_seed, device=dev)
     with torch.no_grad():
         twin.weight.copy_(conv.weight.t())
         twin.bias.copy_(conv.bias)
     for _ in range(2):
-        x, dy = torch.randn(2, 16, 32), torch.randn(2, 16, 48)
+        x, dy = torch.randn(2, 16, 32).to(dev), torch.randn(2, 16, 48).to(dev)
         got = []
         for m in (layer, twin):
             m.zero_grad()

@@ -31,11 +31,11 @@ from nvfp4_recipe.operand import GroupedOperand
 from nvfp4_recipe.recipe import SR_OFFSETS
 from nvfp4_recipe.spec import GemmRole, Rounding
 
-from nvfp4_cases import rand
+from nvfp4_cases import backend_device, rand
 from test_kernels_gemm import HALF_ULP, assert_matches_reference
 from test_native import unswizzle
 
-BACKENDS = ["reference", "triton"]  # triton: the kernels under the interpreter on CPU
+BACKENDS = ["reference", "triton"]  # triton: on kernel_device (the interpreter on CPU, or the GPU)
 
 
 class GroupedExperts(nn.Module):
@@ -136,7 +136,8 @@ def test_grouped_linear_matches_float64_emulation(backend, scaling, x_dtype):
     """Y, dX and dW of ``grouped_linear`` equal float64 products of the operands the recipe
     prescribes (X and W for fprop, dY with SR stream ``sr_seed`` at offset 0 and W^T for dgrad,
     RHT'd dY^T at offset 2**31 and X^T for wgrad), each quantized per group by the reference."""
-    check_grouped_linear(backend, scaling, x_dtype, (16, 16, 64, 96), 48, 32)
+    check_grouped_linear(backend, scaling, x_dtype, (16, 16, 64, 96), 48, 32,
+                         backend_device(backend))
 
 
 @pytest.mark.cuda
@@ -276,8 +277,9 @@ def test_hf_experts_equal_per_expert_linears():
 def test_experts_inference_is_the_training_forward(backend):
     """Under torch.no_grad the module runs fprop only, with the training forward's numbers."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
-    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend))
-    x, counts = torch.randn(40, 32), torch.tensor([10, 10, 0, 20])
+    dev = backend_device(backend)
+    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend)).to(dev)
+    x, counts = torch.randn(40, 32).to(dev), torch.tensor([10, 10, 0, 20], device=dev)
     with torch.no_grad():
         y = ex(x, counts)
     torch.testing.assert_close(ex(x.requires_grad_(), counts), y, rtol=0, atol=0)
@@ -289,13 +291,15 @@ def test_experts_inference_takes_any_token_count(backend):
     """Inference with odd token counts (a decode step: 1 or 3 tokens, groups of any length) gives
     each token the output it gets among the others: the per-token rows of a larger batch."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
+    dev = backend_device(backend)
     ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend, scaling="per_token"))
-    x = torch.randn(21, 32, generator=torch.Generator().manual_seed(1))
-    counts = torch.tensor([5, 0, 13, 3])
+    ex = ex.to(dev)
+    x = torch.randn(21, 32, generator=torch.Generator().manual_seed(1)).to(dev)
+    counts = torch.tensor([5, 0, 13, 3], device=dev)
     with torch.no_grad():
         y = ex(x, counts)
         assert y.shape == (21, 32) and torch.isfinite(y).all()
-        one = ex(x[5:6], torch.tensor([0, 0, 1, 0]))  # one token, expert 2
+        one = ex(x[5:6], torch.tensor([0, 0, 1, 0], device=dev))  # one token, expert 2
     torch.testing.assert_close(one, y[5:6], rtol=0, atol=0)  # per-token scales: no batch coupling
 
 
@@ -304,9 +308,10 @@ def test_experts_cached_weights_quantize_once_with_the_same_outputs(monkeypatch,
     """Inside cached_weights() the experts quantize each projection's weights once per weight
     version (three projections: three calls), with the outputs of uncached forwards."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
-    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend))
-    x, counts = torch.randn(40, 32), torch.tensor([10, 10, 0, 20])
-    be = get_backend(backend, "cpu")
+    dev = backend_device(backend)
+    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend)).to(dev)
+    x, counts = torch.randn(40, 32).to(dev), torch.tensor([10, 10, 0, 20], device=dev)
+    be = get_backend(backend, dev)
     calls, quantize = [], type(be).quantize_experts
 
     def spy(self, w, *args, **kwargs):
@@ -463,7 +468,7 @@ def emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, s
     qa = mat_a.view(torch.uint8)
     kb = 2 * qa.shape[1] // 16
     blocks_a = scale_a[0].view(torch.uint8).flatten()
-    out = torch.zeros(qa.shape[0], mat_b.shape[2], dtype=torch.bfloat16)
+    out = torch.zeros(qa.shape[0], mat_b.shape[2], dtype=torch.bfloat16, device=qa.device)
     start, padded_start = 0, 0
     for g, end in enumerate(offs.tolist()):
         rows = -(-(end - start) // 128) * 128
@@ -472,7 +477,7 @@ def emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, s
         qb = mat_b[g].t().view(torch.uint8)  # (N, K/2)
         sb = unswizzle(scale_b[0][g], qb.shape[0], kb)
         if end > start:
-            one = torch.ones(())
+            one = torch.ones((), device=qa.device)
             a_in = R.dequantize_inner(nr.NVFP4Operand(qa[start:end], sa, one))
             b_in = R.dequantize_inner(nr.NVFP4Operand(qb, sb, one))
             acc = a_in @ b_in.t()
@@ -481,9 +486,9 @@ def emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, s
     return out
 
 
-def test_native_grouped_plumbing(monkeypatch, caplog):
+def test_native_grouped_plumbing(monkeypatch, caplog, kernel_device):
     """fprop and dgrad on the native path (emulated) match each group's reference GEMM; per-token
-    operands fall back to the Triton grouped GEMM, logged once."""
+    operands fall back to the Triton grouped GEMM (on ``kernel_device``), logged once."""
     monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", emulated_scaled_grouped_mm)
     monkeypatch.setattr(native, "fp4_tensor_cores", lambda device: True)
     monkeypatch.setattr(native, "warn_once", lambda msg, key=None: logging.getLogger(
@@ -493,14 +498,16 @@ def test_native_grouped_plumbing(monkeypatch, caplog):
     r = nr.NVFP4Recipe()
     x, w = rand((320, 64), seed=4), rand((4, 48, 64), torch.float32, seed=5)
     xq, _, _ = oracle.quantize_groups(x, offs, r.spec(GemmRole.X_FPROP), None)
-    wq, wt = oracle.quantize_experts(w, r.spec(GemmRole.W_FPROP), need_t=True)
+    wq, _ = oracle.quantize_experts(w, r.spec(GemmRole.W_FPROP), need_t=False)
     y = nb.grouped_mm(xq, wq, out_dtype=torch.bfloat16)
     for g, (s, e) in enumerate(BG.group_bounds(offs)):
         if e > s:
             assert_matches_reference(y[s:e], BG.group_slice(xq, g, s, e), BG.expert_slice(wq, g))
     tok = nr.NVFP4Recipe(scaling="per_token")
-    dyq, _, _ = oracle.quantize_groups(rand((320, 48), seed=6), offs, tok.spec(GemmRole.DY_DGRAD), None,
-                             seed=1)
+    dev = kernel_device  # the fallback runs the Triton grouped GEMM
+    dyq, _, _ = oracle.quantize_groups(rand((320, 48), device=dev, seed=6), offs.to(dev),
+                                       tok.spec(GemmRole.DY_DGRAD), None, seed=1)
+    _, wt = oracle.quantize_experts(w.to(dev), r.spec(GemmRole.W_FPROP), need_t=True)
     with caplog.at_level(logging.WARNING, logger="nvfp4_recipe"):
         dx = nb.grouped_mm(dyq, wt, out_dtype=torch.float32)
     assert "per-token" in caplog.text
@@ -510,10 +517,11 @@ def test_native_grouped_plumbing(monkeypatch, caplog):
                                      out_dtype=torch.float32)
 
 
-def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch):
+def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch, kernel_device):
     """Through the layer's algorithm (``moe.grouped_fprop``, X a transient copy) the native backend
     hands X to ``F.scaled_grouped_mm`` as codes, and gets the Triton grouped GEMM's result up to
-    the fp32 summation order (one bf16 rounding each)."""
+    the fp32 summation order (one bf16 rounding each). On ``kernel_device``: the native backend
+    quantizes the groups with the Triton kernels."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -522,15 +530,16 @@ def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", counted)
     monkeypatch.setattr(native, "fp4_tensor_cores", lambda device: True)
-    offs = torch.tensor([32, 32, 64], dtype=torch.int32)
+    dev = kernel_device
+    offs = torch.tensor([32, 32, 64], dtype=torch.int32, device=dev)
     r = nr.NVFP4Recipe()
-    x, w = rand((64, 64), seed=4), rand((3, 32, 64), torch.float32, seed=5)
-    signs = r.signs()
+    x, w = rand((64, 64), device=dev, seed=4), rand((3, 32, 64), torch.float32, dev, seed=5)
+    signs = r.signs().to(dev)
     y = moe.grouped_fprop(native.NativeBackend(), x, offs, w, r, signs, torch.bfloat16, False,
                           False)[0]
     assert calls == [1]
-    want = moe.grouped_fprop(get_backend("triton", "cpu"), x, offs, w, r, signs, torch.bfloat16, False,
-                             False)[0]
+    want = moe.grouped_fprop(get_backend("triton", dev), x, offs, w, r, signs, torch.bfloat16,
+                             False, False)[0]
     torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
 

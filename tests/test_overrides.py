@@ -1,7 +1,8 @@
 """backward_override and forward_override: the GEMMs a recipe takes out of NVFP4, for dense
 layers and experts alike. "high_precision" backward: dX = dY W and dW = dY^T X from the
 unquantized tensors; "dequantized": from the forward's NVFP4 X and W; forward_override: fprop
-X W^T unquantized while the backward stays NVFP4, bit for bit the default recipe's."""
+X W^T unquantized while the backward stays NVFP4, bit for bit the default recipe's. The Triton
+backend runs on ``kernel_device`` (the interpreter on CPU tensors, or the GPU)."""
 
 import pytest
 import torch
@@ -11,13 +12,15 @@ from nvfp4_recipe import moe
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.spec import GemmRole
 
+from nvfp4_cases import backend_device
+
 BACKENDS = ["reference", "triton"]
 
 
 def _layer(backend, **fields):
     torch.manual_seed(0)
     recipe = nr.NVFP4Recipe(backend=backend, **fields)
-    return nr.NVFP4Linear(64, 48, recipe=recipe)
+    return nr.NVFP4Linear(64, 48, recipe=recipe).to(backend_device(backend))
 
 
 def _run(layer, x, dy):
@@ -27,14 +30,14 @@ def _run(layer, x, dy):
     return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
-def _inputs(seed=1):
+def _inputs(seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(32, 64, generator=g), torch.randn(32, 48, generator=g)
+    return torch.randn(32, 64, generator=g).to(device), torch.randn(32, 48, generator=g).to(device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_high_precision_backward_uses_the_unquantized_x_and_w(backend):
-    x, dy = _inputs()
+    x, dy = _inputs(device=backend_device(backend))
     y, dx, dw, db = _run(_layer(backend, backward_override="high_precision"), x, dy)
     layer = _layer(backend)
     assert torch.equal(y, _run(layer, x, dy)[0])  # fprop stays NVFP4
@@ -45,7 +48,7 @@ def test_high_precision_backward_uses_the_unquantized_x_and_w(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dequantized_backward_uses_the_forwards_nvfp4_operands(backend):
-    x, dy = _inputs(2)
+    x, dy = _inputs(2, backend_device(backend))
     layer = _layer(backend, backward_override="dequantized")
     with nr.capture(layer) as ops:
         _, dx, dw, _ = _run(layer, x, dy)
@@ -57,7 +60,7 @@ def test_dequantized_backward_uses_the_forwards_nvfp4_operands(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_override_runs_fprop_unquantized_and_keeps_the_nvfp4_backward(backend):
-    x, dy = _inputs(3)
+    x, dy = _inputs(3, backend_device(backend))
     layer = _layer(backend, forward_override="high_precision")
     y, dx, dw, _ = _run(layer, x, dy)
     assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias).detach())
@@ -91,14 +94,16 @@ def test_an_overridden_backward_takes_any_token_count():
 
 def _grouped(backend, **fields):
     torch.manual_seed(0)
+    dev = backend_device(backend)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(80, 32, generator=g).requires_grad_()
-    w = torch.randn(3, 48, 32, generator=g).requires_grad_()
-    offs = torch.tensor([16, 16, 64], dtype=torch.int32)  # an empty group, 16 rows past the end
+    x = torch.randn(80, 32, generator=g).to(dev).requires_grad_()
+    w = torch.randn(3, 48, 32, generator=g).to(dev).requires_grad_()
+    # an empty group, 16 rows past the end
+    offs = torch.tensor([16, 16, 64], dtype=torch.int32, device=dev)
     recipe = nr.NVFP4Recipe(backend=backend, **fields)
-    seed, step = torch.tensor(7), torch.tensor(0)
-    y = moe.grouped_linear(x, w, offs, recipe, recipe.signs(), seed, step)
-    dy = torch.randn(y.shape, generator=g)
+    seed, step = torch.tensor(7, device=dev), torch.tensor(0, device=dev)
+    y = moe.grouped_linear(x, w, offs, recipe, recipe.signs().to(dev), seed, step)
+    dy = torch.randn(y.shape, generator=g).to(dev)
     y.backward(dy)
     return x, w, offs, y.detach(), dy
 
@@ -112,7 +117,7 @@ def _per_group(offs, fn):
 def test_experts_high_precision_backward(backend):
     x, w, offs, y, dy = _grouped(backend, backward_override="high_precision")
     W = w.detach()
-    dx = torch.cat(_per_group(offs, lambda g, s, e: dy[s:e] @ W[g]) + [torch.zeros(16, 32)])
+    dx = torch.cat(_per_group(offs, lambda g, s, e: dy[s:e] @ W[g]) + [dy.new_zeros(16, 32)])
     torch.testing.assert_close(x.grad, dx, rtol=1e-6, atol=1e-6)
     dw = torch.stack(_per_group(offs, lambda g, s, e: dy[s:e].t() @ x.detach()[s:e]))
     torch.testing.assert_close(w.grad, dw, rtol=1e-6, atol=1e-6)
@@ -125,8 +130,8 @@ def test_experts_dequantized_backward(backend):
     recipe = nr.NVFP4Recipe(backend="reference")
     wq = [R.dequantize(R.quantize(w.detach()[g], recipe.spec(GemmRole.W_FPROP))) for g in range(3)]
     xq = _per_group(offs, lambda g, s, e: R.dequantize(R.quantize(x.detach()[s:e], recipe.spec(
-        GemmRole.X_FPROP))) if e > s else torch.zeros(0, 32))
-    dx = torch.cat(_per_group(offs, lambda g, s, e: dy[s:e] @ wq[g]) + [torch.zeros(16, 32)])
+        GemmRole.X_FPROP))) if e > s else dy.new_zeros(0, 32))
+    dx = torch.cat(_per_group(offs, lambda g, s, e: dy[s:e] @ wq[g]) + [dy.new_zeros(16, 32)])
     torch.testing.assert_close(x.grad, dx, rtol=1e-6, atol=1e-6)
     dw = torch.stack(_per_group(offs, lambda g, s, e: dy[s:e].t() @ xq[g]))
     torch.testing.assert_close(w.grad, dw, rtol=1e-6, atol=1e-6)
@@ -136,7 +141,7 @@ def test_experts_dequantized_backward(backend):
 def test_experts_forward_override(backend):
     x, w, offs, y, dy = _grouped(backend, forward_override="high_precision")
     W, X = w.detach(), x.detach()
-    ref = torch.cat(_per_group(offs, lambda g, s, e: X[s:e] @ W[g].t()) + [torch.zeros(16, 48)])
+    ref = torch.cat(_per_group(offs, lambda g, s, e: X[s:e] @ W[g].t()) + [X.new_zeros(16, 48)])
     torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
     x_ref, w_ref, *_ = _grouped(backend)
     assert torch.equal(x.grad, x_ref.grad) and torch.equal(w.grad, w_ref.grad)

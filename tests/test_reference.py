@@ -305,12 +305,12 @@ def _randint4x_kernel(out_ptr, seed, offset, N: tl.constexpr):
         tl.store(out_ptr + i * 4 + w, r.to(tl.int64) & 0xFFFFFFFF)
 
 
-def test_philox_equals_triton_randint4x():
+def test_philox_equals_triton_randint4x(kernel_device):
     seed, offset = (123 << 32) + 987654321, 2**32 - 40  # also wraps the 32-bit counter
-    out = torch.empty(64 * 4, dtype=torch.int64)
+    out = torch.empty(64 * 4, dtype=torch.int64, device=kernel_device)
     _randint4x_kernel[(1,)](out, seed, offset, 64)
     ref = torch.stack(R.philox4x32(seed, (torch.arange(64) + offset) % 2**32), dim=-1).reshape(-1)
-    assert torch.equal(out, ref)
+    assert torch.equal(out.cpu(), ref)
 
 
 def test_sr_is_deterministic_per_seed_and_offset():
