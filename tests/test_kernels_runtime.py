@@ -66,7 +66,7 @@ def test_launch_cache_is_bounded(monkeypatch):
 
 
 def test_prune_puts_a_modes_lead_config_first(monkeypatch):
-    """NVFP4_AUTOTUNE=0 keeps the first config that fits K; the amax kernel's per-index maxima
+    """Without NVFP4_AUTOTUNE=1 the first config that fits K is kept; the amax kernel's per-index maxima
     lead with their own tile (``amax._lead``), the global amax keeps the list's first."""
     import triton
 
@@ -75,7 +75,7 @@ def test_prune_puts_a_modes_lead_config_first(monkeypatch):
 
     configs = [triton.Config({"BB": bb, "BC": bc, "P": 4}) for bb, bc in ((2, 16), (2, 8), (8, 4))]
     prune = prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], A._lead)
-    monkeypatch.setenv("NVFP4_AUTOTUNE", "0")
+    monkeypatch.delenv("NVFP4_AUTOTUNE", raising=False)  # the default: no tuning
 
     def first(k, **modes):
         (config,) = prune(configs, {"K": k}, **{"ROW": A.TENSOR, "COL": A.NONE, "ROW_RHT": False, **modes})
@@ -87,6 +87,27 @@ def test_prune_puts_a_modes_lead_config_first(monkeypatch):
     assert first(128) == (2, 8)  # a 256-column tile is pruned for K = 128
     monkeypatch.setenv("NVFP4_AUTOTUNE", "1")
     assert len(prune(configs, {"K": 4096}, ROW=A.PER_INDEX, COL=A.NONE, ROW_RHT=False)) == 3
+
+
+def test_four_over_six_launches_lead_with_their_tile(monkeypatch):
+    """A quantize launch with 4/6 on any copy takes the (2, 4) tile with 4 warps first
+    (``four_over_six.lead_tile``); without 4/6 the list's first."""
+    import triton
+
+    from nvfp4_recipe.kernels.four_over_six import lead_tile
+    from nvfp4_recipe.kernels.runtime import prune_wide_tiles
+
+    configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw)
+               for bb, bc, nw in ((2, 8, 4), (2, 4, 8), (2, 4, 4), (4, 8, 4))]
+    prune = prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_FOS", "COL_FOS"))
+    monkeypatch.delenv("NVFP4_AUTOTUNE", raising=False)
+
+    def first(**fos):
+        (c,) = prune(configs, {"K": 4096}, **{"ROW_FOS": 0, "COL_FOS": 0, **fos})
+        return c.kwargs["BB"], c.kwargs["BC"], c.num_warps
+
+    assert first() == (2, 8, 4)
+    assert first(COL_FOS=257) == first(ROW_FOS=450, COL_FOS=450) == (2, 4, 4)
 
 
 class _FakeKernel:
