@@ -4,7 +4,6 @@ runs (training, fprop only, cached weights, torch.compile), and as before when i
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
