@@ -30,13 +30,14 @@ from .backends import Backend, resolved
 from .backends.grouped import expert_rows
 from .layer import autocast_off, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
-from .quantizers import OperandQuantizer, Quantizers, TensorQuantizer, Usage
+from .quantizers import Quantizers, TensorQuantizer, Usage
 from .recipe import NVFP4Recipe
-from .spec import Block, Override
+from .spec import Override
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard
 
 __all__ = ["Dense", "Grouped", "GemmsFn", "fprop", "grads", "weight_operands"]
+
 
 def weight_operands(be: Backend, weight: torch.Tensor, q: TensorQuantizer,
                     ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
@@ -49,25 +50,8 @@ def weight_operands(be: Backend, weight: torch.Tensor, q: TensorQuantizer,
     if isinstance(weight, NVFP4Tensor):
         w = weight.operand
         return be.prepare(w), R.transpose_2d(w) if need_t else None
-    if q.rowwise.amax is not None and torch.compiler.is_compiling():
-        return _given_amax_weights(be, weight, q.rowwise, need_t)
     return be.prepare_weight(weight, q.rowwise.spec, need_t=need_t,
                              amax_reduce=quantizers.amax_reducer(q.rowwise))
-
-
-def _given_amax_weights(be: Backend, weight: torch.Tensor, q: OperandQuantizer, need_t: bool,
-                        ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
-    """:func:`weight_operands` with the amax ``q.amax`` (a fused group's) while torch.compile
-    traces, where the backend's ``amax_reduce`` (a callable) cannot cross the operator boundary:
-    ``reference.quantize`` with that amax (every backend's bits), traced as plain torch ops, W
-    made ready by ``be.prepare``; W^T the exact transpose (2d) or W^T quantized with the same
-    amax (1d), as ``prepare_weight`` makes them."""
-    w = R.quantize(weight, q.spec, amax_=q.amax)
-    wt = None
-    if need_t:
-        wt = R.transpose_2d(w) if q.spec.block is Block.D2 else R.quantize(weight.t(), q.spec,
-                                                                           amax_=q.amax)
-    return be.prepare(w), wt
 
 
 def _pair_arguments(q: TensorQuantizer, next_b: Optional[NVFP4Operand]) -> dict:

@@ -151,11 +151,9 @@ def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
 
 def amax_reducer(q: OperandQuantizer) -> AmaxReduce:
     """The ``amax_reduce`` argument of a backend primitive quantizing ``q``'s operand: the given
-    amax where ``q.amax`` is set (the operand's own is dropped), else ``q.amax_reduce``. Eager mode
-    only: a callable cannot cross the operator boundary under torch.compile."""
-    if q.amax is None:
-        return q.amax_reduce
-    return lambda _: q.amax
+    amax ``q.amax`` where set (a tensor: the operand's own is not measured), else
+    ``q.amax_reduce``."""
+    return q.amax_reduce if q.amax is None else q.amax
 
 
 def inspected(q: TensorQuantizer) -> TensorQuantizer:

@@ -169,7 +169,8 @@ def test_train_export_round_trip_gives_the_trained_logits(tmp_path, monkeypatch)
 
     monkeypatch.setattr(job, "export_trained", keep)
     status = cli.main(["train", "--preset", "tiny", "--recipes", "bf16", "nvfp4", "--steps", "3",
-                       "--precision", "fp32", "--no-progress", "--out", str(tmp_path / "out"),
+                       "--device", "cpu", "--precision", "fp32", "--no-progress",
+                       "--out", str(tmp_path / "out"),
                        "--export", str(tmp_path / "export")])
     assert status == 0
     assert os.listdir(tmp_path / "export") == ["nvfp4"]  # the baseline has nothing in NVFP4
@@ -489,7 +490,7 @@ def test_a_failed_export_keeps_the_run_and_the_later_recipes_run(tmp_path, capsy
 
     monkeypatch.setattr(job, "export_trained", fail_first)
     status = cli.main(["train", "--preset", "tiny", "--recipes", "nvfp4", "nvfp4-1d-weights",
-                       "--steps", "2", "--precision", "fp32", "--no-progress",
+                       "--steps", "2", "--device", "cpu", "--precision", "fp32", "--no-progress",
                        "--out", str(tmp_path / "out"), "--export", str(tmp_path / "export")])
     assert status == 1 and calls == ["nvfp4", "nvfp4-1d-weights"]
     with open(tmp_path / "out" / "results.json") as f:

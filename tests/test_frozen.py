@@ -11,6 +11,8 @@ from nvfp4_recipe.frozen import NVFP4FrozenLinear, load_frozen, lora_config
 from nvfp4_recipe.layer import layer_seed
 from nvfp4_recipe.serving import export, record_amaxes
 
+from nvfp4_cases import backend_device
+
 pytest.importorskip("safetensors")
 FORMATS = ("compressed-tensors", "modelopt")
 
@@ -49,13 +51,15 @@ def test_dgrad_is_the_trained_layers_dgrad_and_no_weight_is_kept(tmp_path, backe
     """Same recipe, same SR stream (the layer seed of its name, as quantize_ gives it): Y and dX
     of the frozen layer are NVFP4Linear's."""
     torch.manual_seed(1)
+    dev = backend_device(backend)  # the Triton backend's on kernel_device
     recipe = N.NVFP4Recipe(backend=backend)
     layer = N.NVFP4Linear(64, 128, recipe=recipe, layer_seed=layer_seed("1"))
-    model = nn.Sequential(nn.LayerNorm(64), layer)
+    model = nn.Sequential(nn.LayerNorm(64), layer).to(dev)
     path = export(model, str(tmp_path / "e"), input_amax={"1": torch.tensor(3.0)})
-    frozen = load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128)), path, recipe)[1]
-    x = torch.randn(32, 64)
-    dy = torch.randn(32, 128)
+    frozen = load_frozen(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128)), path,
+                         recipe)[1].to(dev)
+    x = torch.randn(32, 64).to(dev)
+    dy = torch.randn(32, 128).to(dev)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = layer(xa), frozen(xb)
     assert torch.equal(yb, ya)

@@ -35,9 +35,12 @@ def _nvfp4_available() -> bool:
 
 
 def _train(tmp_path, *extra):
-    """Run ``nvfp4-recipe train --preset tiny`` in-process; returns (exit status, results dict)."""
+    """Run ``nvfp4-recipe train --preset tiny`` in-process, on the CPU unless ``extra`` names a
+    ``--device`` (the same run on a GPU machine); returns (exit status, results dict)."""
     out = tmp_path / "out"
-    status = cli.main(["train", "--preset", "tiny", "--no-progress", "--out", str(out), *extra])
+    device = () if "--device" in extra else ("--device", "cpu")
+    status = cli.main(["train", "--preset", "tiny", "--no-progress", "--out", str(out), *device,
+                       *extra])
     path = out / "results.json"
     return status, json.loads(path.read_text()) if path.exists() else None
 

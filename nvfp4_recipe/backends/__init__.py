@@ -29,8 +29,19 @@ IntOrTensor = Union[int, torch.Tensor]
 # Called with the fp32 amax an operand's quantization measures (``reference.operand_amax``: a
 # scalar or one per row; under amax estimation before its amax_scale factor) between the amax pass
 # and the quantize pass; returns the amax to use instead (distributed.py: the max over the shards
-# of a tensor-parallel operand). None: the operand's own amax.
-AmaxReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+# of a tensor-parallel operand). A tensor: the amax to use, the operand's own not measured (a
+# fused group's shared weight amax); unlike a callable it crosses the operator boundary under
+# torch.compile. None: the operand's own amax.
+AmaxReduce = Optional[Union[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]
+
+
+def reduced_amax(amax_reduce: AmaxReduce,
+                 measured: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+    """The amax a copy is quantized with under ``amax_reduce``: None (the copy's own, measured by
+    the quantization) without one, the given tensor, or the callable applied to ``measured()``."""
+    if amax_reduce is None or isinstance(amax_reduce, torch.Tensor):
+        return amax_reduce
+    return amax_reduce(measured())
 NAMES = tuple(b.value for b in BackendName if b is not BackendName.AUTO)
 
 

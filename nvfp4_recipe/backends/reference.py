@@ -7,7 +7,7 @@ import torch
 from .. import reference as R
 from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
-from . import AmaxReduce, Backend, IntOrTensor, quantize_each, register_backend
+from . import AmaxReduce, Backend, IntOrTensor, quantize_each, reduced_amax, register_backend
 from . import grouped as G
 
 
@@ -15,10 +15,8 @@ def _reduced_amax(x: torch.Tensor, spec: QuantSpec, signs: Optional[torch.Tensor
                   amax_reduce: AmaxReduce) -> Optional[torch.Tensor]:
     """The ``amax_`` of ``reference.quantize``: None (its own) without a reducer, else the reduced
     measured amax, times the spec's amax_scale under amax estimation."""
-    if amax_reduce is None:
-        return None
-    amax_ = amax_reduce(R.operand_amax(x, spec, signs))
-    return amax_ if spec.amax_scale is None else spec.amax_scale * amax_
+    amax_ = reduced_amax(amax_reduce, lambda: R.operand_amax(x, spec, signs))
+    return amax_ if amax_ is None or spec.amax_scale is None else spec.amax_scale * amax_
 
 
 @register_backend

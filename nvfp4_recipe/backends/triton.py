@@ -32,7 +32,8 @@ from ..kernels.runtime import inner_values_supported, interpreting
 from ..operand import NVFP4Operand
 from ..spec import Block, Form, QuantSpec
 from ..streams import SideStream
-from . import AmaxReduce, Backend, IntOrTensor, quantize_each, register_backend, warn_once
+from . import (AmaxReduce, Backend, IntOrTensor, quantize_each, reduced_amax, register_backend,
+               warn_once)
 from . import grouped as BG
 from .reference import ReferenceBackend
 
@@ -47,13 +48,18 @@ def _is_transposed_view(x: torch.Tensor) -> bool:
 def _reduced_amaxes(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec],
                     signs: Optional[torch.Tensor], reduce: Tuple[AmaxReduce, AmaxReduce]):
     """The ``amaxes`` argument of ``quantize_1d(x, row, col)``: None (the kernel's own amax pass)
-    without a reducer, else the amax pass's results, each mapped by its reducer."""
+    without a reducer, else per copy its reduced amax (``backends.reduced_amax``) or, without a
+    reducer, the amax pass's; the pass runs unless every copy's amax is given as a tensor."""
     if reduce == (None, None):
         return None
-    if any(s is not None and s.rht and s.amax_scale is None for s in (row, col)):
+    specs = (row, col)
+    if all(s is None or isinstance(f, torch.Tensor) for s, f in zip(specs, reduce)):
+        return reduce
+    if any(s is not None and s.rht and s.amax_scale is None for s in specs):
         signs = signs.to(device=x.device, dtype=torch.float32).contiguous()
     amaxes = amax_pass(x, row, col, signs)
-    return tuple(a if f is None or a is None else f(a) for a, f in zip(amaxes, reduce))
+    return tuple(a if f is None or a is None else reduced_amax(f, lambda a=a: a)
+                 for a, f in zip(amaxes, reduce))
 
 
 def _one_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec]) -> bool:
@@ -241,4 +247,4 @@ class TritonBackend(Backend):
 
 def _reduced_2d_amax(w: torch.Tensor, amax_reduce: AmaxReduce) -> Optional[torch.Tensor]:
     """The ``amax`` argument of ``quantize_2d(w)``: None (its own pass) without a reducer."""
-    return None if amax_reduce is None else amax_reduce(A.amax(w, A.TENSOR, A.NONE)[0])
+    return reduced_amax(amax_reduce, lambda: A.amax(w, A.TENSOR, A.NONE)[0])
