@@ -19,9 +19,9 @@ from typing_extensions import Doc
 
 from .formats import BLOCK, FLT_MAX
 from .reference import DEFAULT_RHT_SIGNS
-from .spec import (FOUR_OVER_SIX_E4M3_MAX, BackendName, Block, FourOverSix, FourOverSixError,
-                   FourOverSixOperands, GemmRole, Override, QuantSpec, Rounding, Scaling, enum_values,
-                   parse_enum)
+from .spec import (FOUR_OVER_SIX_DEFAULT_E4M3_MAX, FOUR_OVER_SIX_E4M3_MAX, BackendName, Block,
+                   FourOverSix, FourOverSixError, FourOverSixOperands, GemmRole, Override, QuantSpec,
+                   Rounding, Scaling, enum_values, parse_enum)
 
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
 # fewer than 2**35 elements (16 elements per counter).
@@ -126,7 +126,9 @@ class NVFP4Recipe(AOBaseConfig):
             dY and dY^T).
         four_over_six_error: a :class:`~nvfp4_recipe.spec.FourOverSixError`, MAE ("mae") or
             MSE ("mse"): the error 4/6 picks each block's scale by.
-        four_over_six_e4m3_max: 256 (the paper's) or 448: the E4M3 bound of the 4/6 outer scale.
+        four_over_six_e4m3_max: 256 (the default, ``spec.FOUR_OVER_SIX_DEFAULT_E4M3_MAX``: the
+            paper's, leaving the largest block's map-to-4 scale inside E4M3) or 448 (TE's
+            default): the E4M3 bound of the 4/6 outer scale.
         four_over_six_fast_math: measure the 4/6 error on the scaled values (TE's fast math).
         The three four_over_six_* fields keep their defaults unless four_over_six is set.
         backward_override: None (dgrad and wgrad in NVFP4), or an :class:`~nvfp4_recipe.spec.Override`:
@@ -173,7 +175,8 @@ class NVFP4Recipe(AOBaseConfig):
         None, "4/6 block scaling on the weights, also the activations, or all operands")
     four_over_six_error: FourOverSixError = _field(
         FourOverSixError.MAE, "the error 4/6 picks each block's scale by")
-    four_over_six_e4m3_max: int = _field(256, "E4M3 bound of the 4/6 outer scale: 256 or 448")
+    four_over_six_e4m3_max: int = _field(FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+                                         "E4M3 bound of the 4/6 outer scale: 256 or 448")
     four_over_six_fast_math: bool = _field(
         False, "4/6 error on the scaled values (TransformerEngine's fast math)")
 

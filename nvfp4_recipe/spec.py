@@ -100,6 +100,11 @@ class FourOverSixOperands(_StrEnum):
 # The E4M3 bounds the 4/6 outer scale may map the amax to (TE's ``nvfp4_e4m3_max``): 448 as
 # without 4/6, or 256, which leaves the 1.5x map-to-4 scale of the largest block unclipped.
 FOUR_OVER_SIX_E4M3_MAX = (256, 448)
+# The one default bound (FourOverSix, NVFP4Recipe.four_over_six_e4m3_max, NVFP4Tensor.from_hp): 256,
+# the Four Over Six paper's (arXiv 2512.02010): with 448 the largest block's map-to-4 scale
+# (1.5 x 448 = 672) clips at 448, so that block can only map to 6; with 256 it is 384, inside E4M3.
+# TE's ``nvfp4_e4m3_max`` defaults to 448; pass 448 to match it.
+FOUR_OVER_SIX_DEFAULT_E4M3_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,8 @@ class FourOverSix:
 
     Fields:
         error: FourOverSixError.MAE ("mae") or MSE ("mse"), summed over a block's elements.
-        e4m3_max: 256 or 448, the E4M3 bound of the outer scale: S_enc = 6 * e4m3_max / amax.
+        e4m3_max: 256 (the default, FOUR_OVER_SIX_DEFAULT_E4M3_MAX: the paper's) or 448 (TE's
+            default), the E4M3 bound of the outer scale: S_enc = 6 * e4m3_max / amax.
         fast_math: measure the error on the scaled values (candidate x E4M3 scale against
             x * S_enc, TE's ``nvfp4_4over6_err_use_fast_math``) rather than in x's domain.
 
@@ -119,7 +125,7 @@ class FourOverSix:
     """
 
     error: FourOverSixError = FourOverSixError.MAE
-    e4m3_max: int = 448
+    e4m3_max: int = FOUR_OVER_SIX_DEFAULT_E4M3_MAX
     fast_math: bool = False
 
     def __post_init__(self):

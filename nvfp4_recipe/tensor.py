@@ -20,7 +20,7 @@ from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe, _is_int, parse_signs
-from .spec import FourOverSix, FourOverSixError, Form, QuantSpec
+from .spec import FOUR_OVER_SIX_DEFAULT_E4M3_MAX, FourOverSix, FourOverSixError, Form, QuantSpec
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,7 +70,7 @@ def _four_over_six(error, e4m3_max, fast_math) -> Optional[FourOverSix]:
             given with ``four_over_six=None``.
     """
     if error is None:
-        if e4m3_max != 448 or fast_math is not False:
+        if e4m3_max != FOUR_OVER_SIX_DEFAULT_E4M3_MAX or fast_math is not False:
             raise ValueError("from_hp: four_over_six_e4m3_max / four_over_six_fast_math given, but "
                              "four_over_six=None")
         return None
@@ -88,7 +88,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
     Stored (for a tensor of logical shape (..., M, K) quantized along K):
         qdata: uint8 (..., M, K // 2), two E2M1 codes per byte, even element in the low nibble.
         scale: float8_e4m3fn block scales, (..., M, K // 16) for 1d blocks, (M // 16, K // 16) for 2d.
-        outer_scale: float32, () per-tensor or (..., M) per-token, equal to amax / (448 * 6).
+        outer_scale: float32, () per-tensor or (..., M) per-token, equal to amax / (448 * 6)
+            (with 4/6, amax / (bound * 6)).
         rht_signs: (16,) float32 signs if the data holds RHT(x) along K, else None.
     Attributes: ``block`` ("1d"/"2d"), ``scaling``, ``rounding`` ("rn"/"sr"), ``orig_dtype`` (the
     logical dtype), ``transposed``: True for the view ``t()`` of a quantized (M, K) tensor, whose
@@ -152,7 +153,7 @@ class NVFP4Tensor(TorchAOBaseTensor):
                 rounding: str = "rn", seed: R.IntOrTensor = 0, offset: R.IntOrTensor = 0,
                 rht: bool = False, rht_signs: Optional[torch.Tensor] = None,
                 backend: str = "auto", four_over_six: Optional[str] = None,
-                four_over_six_e4m3_max: int = 448,
+                four_over_six_e4m3_max: int = FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
                 four_over_six_fast_math: bool = False) -> "NVFP4Tensor":
         """Quantize a high-precision tensor along its last dimension.
 
@@ -181,8 +182,9 @@ class NVFP4Tensor(TorchAOBaseTensor):
                 amax to 4 or to 6, whichever RN error of that kind is smaller; TransformerEngine's
                 ``nvfp4_use_4over6``, docs/numerics.md), after the RHT if any, with SR the block
                 rounded stochastically under the chosen scale.
-            four_over_six_e4m3_max: 448 (TE's default) or 256: the E4M3 bound of the 4/6 outer
-                scale (``S_enc = 6 * bound / amax``).
+            four_over_six_e4m3_max: 256 (the default, as ``NVFP4Recipe``'s and ``FourOverSix``'s:
+                the paper's, leaving the largest block's map-to-4 scale inside E4M3) or 448
+                (TE's default): the E4M3 bound of the 4/6 outer scale (``S_enc = 6 * bound / amax``).
             four_over_six_fast_math: the 4/6 error on the scaled values (TE's fast math).
         Raises:
             TypeError: ``x`` not a tensor or already an NVFP4Tensor, unsupported dtype, ``seed``

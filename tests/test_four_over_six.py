@@ -2,6 +2,7 @@
 (tests/te_nvfp4.py, an independent transcription) bit for bit, and the project's extensions (RHT,
 SR) keep their promises."""
 
+import inspect
 import math
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 import te_nvfp4 as TE
 from nvfp4_recipe import reference as R
-from nvfp4_recipe.spec import FourOverSix, QuantSpec
+from nvfp4_recipe.recipe import NVFP4Recipe
+from nvfp4_recipe.spec import FOUR_OVER_SIX_DEFAULT_E4M3_MAX, FourOverSix, QuantSpec
 from nvfp4_recipe.tensor import NVFP4Tensor
 
 from nvfp4_cases import rand, signs_for
@@ -92,8 +94,8 @@ def test_fast_math_changes_near_ties():
     """The fast-math error (on the scaled values) rounds differently: on blocks built so that
     the two candidates' errors tie in x's domain, some choices differ."""
     x = grid_blocks(8192, 1) * 1.1  # values off the power-of-two grid
-    a = R.quantize(x, QuantSpec(four_over_six=FourOverSix()))
-    b = R.quantize(x, QuantSpec(four_over_six=FourOverSix(fast_math=True)))
+    a = R.quantize(x, QuantSpec(four_over_six=FourOverSix(e4m3_max=448)))
+    b = R.quantize(x, QuantSpec(four_over_six=FourOverSix(e4m3_max=448, fast_math=True)))
     assert not torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
 
 
@@ -148,11 +150,11 @@ def test_from_hp_takes_the_4_over_6_arguments():
     with pytest.raises(ValueError, match="from_hp: four_over_six_e4m3_max:"):
         NVFP4Tensor.from_hp(x, four_over_six="mae", four_over_six_e4m3_max=512)
     with pytest.raises(ValueError, match="four_over_six=None"):
-        NVFP4Tensor.from_hp(x, four_over_six_e4m3_max=256)
+        NVFP4Tensor.from_hp(x, four_over_six_e4m3_max=448)  # 256 is the default: no error
 
 
 @pytest.mark.parametrize("sp", [QuantSpec("2d", four_over_six=FourOverSix("mse", 256)),
-                                QuantSpec(scaling="per_token", four_over_six=FourOverSix())],
+                                QuantSpec(scaling="per_token", four_over_six=FourOverSix("mae", 448))],
                          ids=["2d", "1d-per_token"])
 def test_triton_backend_quantizes_transposed_views_as_the_reference(sp, kernel_device):
     """A transposed view is read through its base; with 4/6 the 2d tiles of x.t() are not the
@@ -164,3 +166,18 @@ def test_triton_backend_quantizes_transposed_views_as_the_reference(sp, kernel_d
     ref = R.quantize(x, sp)
     assert torch.equal(t.qdata, ref.qdata)
     assert torch.equal(t.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+
+
+def test_the_three_4_over_6_bound_defaults_agree():
+    """FourOverSix(), NVFP4Recipe and from_hp default to one bound, 256 (the paper's), and a
+    from_hp call without a bound quantizes as the recipe's 4/6 operands do."""
+    from_hp_default = inspect.signature(NVFP4Tensor.from_hp).parameters["four_over_six_e4m3_max"]
+    assert FOUR_OVER_SIX_DEFAULT_E4M3_MAX == 256
+    assert FourOverSix().e4m3_max == NVFP4Recipe().four_over_six_e4m3_max == 256
+    assert from_hp_default.default == 256
+    assert NVFP4Recipe(four_over_six="all").spec("x_fprop").four_over_six == FourOverSix()
+    x = fresh((32, 64), torch.float32)
+    t = NVFP4Tensor.from_hp(x, four_over_six="mae", backend="reference")
+    op = R.quantize(x, QuantSpec(four_over_six=FourOverSix("mae", 256)))
+    assert torch.equal(t.qdata, op.qdata) and torch.equal(t.scale.view(torch.uint8), op.scale.view(torch.uint8))
+    assert t.outer_scale == torch.tensor(1.0) / (torch.tensor(6.0 * 256) / x.abs().amax())
