@@ -12,7 +12,7 @@ from . import reference as R
 from .api import check_module, frozen_layers, linear_layers, nvfp4_counts, skip_reasons
 from .conv1d import features
 from .formats import BLOCK, E2M1_GRID, unpack_nibbles
-from .layer import NVFP4Module, Recording
+from .layer import NVFP4Module, Recording, training
 from .linear import NVFP4Linear
 from .moe import NVFP4Experts
 from .operand import NVFP4Operand
@@ -76,8 +76,9 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
     step's, per module).
 
     Yields a dict ``{layer fqn: {name: NVFP4Tensor}}`` filled as the steps run: after a forward,
-    ``"w"`` (W as fprop's B, (N, K)), ``"x"`` (X as fprop's A, (M, K)) and, when the token count
-    is a multiple of 16, ``"xt"`` (X^T as wgrad's B: RHT along the tokens, (K, M)); after the
+    ``"w"`` (W as fprop's B, (N, K)), ``"x"`` (X as fprop's A, (M, K)) and, when the call records
+    autograd (not under no_grad: ``layer.training``) and the token count is a multiple of 16,
+    ``"xt"`` (X^T as wgrad's B: RHT along the tokens, (K, M)); after the
     backward, ``"dy"`` (dY as dgrad's A, SR) and ``"dyt"`` (dY^T as wgrad's A). Each is quantized
     again from the step's tensors with the step's specs, RHT signs and SR stream, so it holds the
     bits the GEMMs used (it costs those quantizations again; eager mode only, not under
@@ -101,17 +102,80 @@ def capture(model: nn.Module) -> Iterator[Dict[str, Dict[str, object]]]:
 
 
 @contextlib.contextmanager
-def _recording(model: nn.Module, keep) -> Iterator[Dict[str, Dict[str, object]]]:
-    """Every NVFP4 module of ``model`` records ``keep(hp, q, spec)`` of its operands
-    (:class:`layer.Recording`) inside the context; yields ``{fqn: its store}``."""
+def _recording(model: nn.Module, keep, accumulate: bool = False
+               ) -> Iterator[Dict[str, Dict[str, object]]]:
+    """Every NVFP4 module of ``model`` records ``keep(hp, q)`` of its operands
+    (:class:`layer.Recording`, in a :class:`_Store`) inside the context; yields ``{fqn: its
+    store}``. A forward pre-hook tells each store whether the call runs fprop only."""
     layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NVFP4Module)}
+    hooks = []
     for layer in layers.values():
         layer.captured = Recording(keep)
+        layer.captured.store = _Store(accumulate)
+        hooks.append(layer.register_forward_pre_hook(_note_fprop_only, with_kwargs=True))
     try:
         yield {fqn: layer.captured.store for fqn, layer in layers.items()}
     finally:
+        for hook in hooks:
+            hook.remove()
         for layer in layers.values():
             layer.captured = None
+
+
+def _note_fprop_only(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a recorded module: the call runs fprop only (no_grad, inference
+    mode, or nothing requiring grad: ``layer.training``), so its store takes no wgrad copy."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    module.captured.store.fprop_only = not training(*tensors, *module.parameters())
+
+
+# The copy a layer makes in forward for wgrad only: a call that runs fprop only makes none.
+_WGRAD_FORWARD_COPIES = frozenset({"xt"})
+
+
+class _Store(dict):
+    """A module's :class:`layer.Recording` store: ``{name: keep(hp, q)}``, an experts module's
+    ``{projection: {name: [one per expert or token group]}}`` (inner stores made by
+    ``setdefault``).
+
+    It leaves out ``"xt"`` (X^T, wgrad's B) while ``fprop_only`` (set per call by
+    :func:`_note_fprop_only`): a no-grad call (an eval step) makes no X^T. With ``accumulate``
+    (:class:`QuantStats`) a name recorded again within the context is merged with what it holds
+    (:func:`_merged`: counts summed, experts' lists extended), so a step of several micro-batches
+    (gradient accumulation) is recorded whole; otherwise (:func:`capture`) the last one replaces
+    it.
+    """
+
+    def __init__(self, accumulate: bool, root: Optional["_Store"] = None):
+        super().__init__()
+        self.accumulate, self.fprop_only = accumulate, False
+        self.root = self if root is None else root  # an empty root is falsy: no `or`
+
+    def __setitem__(self, name: str, value) -> None:
+        if name in _WGRAD_FORWARD_COPIES and self.root.fprop_only:
+            return
+        if self.accumulate and name in self:
+            value = _merged(self[name], value)
+        super().__setitem__(name, value)
+
+    def update(self, *args, **kwargs) -> None:
+        for name, value in dict(*args, **kwargs).items():
+            self[name] = value
+
+    def setdefault(self, name: str, default=None):
+        if name not in self:
+            inner = _Store(self.accumulate, self.root) if isinstance(default, dict) else default
+            super().__setitem__(name, inner)
+        return self[name]
+
+
+def _merged(old, new):
+    """Two recordings of one operand in one :class:`QuantStats` step: lists (an experts
+    module's, one entry per expert or token group) concatenated; ``(counts, four_over_six)``
+    pairs with their (len(COUNTS),) float64 counts summed on the device (no host sync)."""
+    if isinstance(old, list):
+        return old + new
+    return old[0] + new[0], old[1]
 
 
 def _top_codes(codes: torch.Tensor, block: Block) -> torch.Tensor:
@@ -307,6 +371,14 @@ class QuantStats:
     ``max_rows`` rows and ``max_cols`` columns of each operand (its quantization is the whole
     operand's), so that a recorded step costs about the same at any model size.
 
+    A step is everything inside one :meth:`step` context: under gradient accumulation every
+    micro-batch's forward and backward. The counts behind the statistics (:data:`COUNTS`: elements,
+    flushed values, squared errors and signal, block scales, ...) are summed over the step's
+    micro-batches and read when the context exits, so each share or error is that of all of the
+    step's elements together (a micro-batch weighs by its elements; W, the same in each, keeps its
+    statistics). An eval step (a forward under ``torch.no_grad()`` / ``torch.inference_mode()``)
+    records the copies that forward makes: ``"w"`` and ``"x"``, no ``"xt"``.
+
     On a recorded step every operand is quantized once more (as :func:`capture` does). Run that
     step eagerly inside :meth:`step`, or, in a loop that replays its step in a CUDA graph, replay
     a second graph that records (:meth:`graphed`; dense models); not under torch.compile.
@@ -344,12 +416,14 @@ class QuantStats:
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Run one training step's forward and backward inside; on a due step its statistics are
-        appended to :attr:`history` when the context exits."""
+        """Run one training step's forward and backward inside (all its micro-batches under
+        gradient accumulation, or an eval forward); on a due step the statistics of everything
+        recorded inside, counts summed over micro-batches, are appended to :attr:`history` when
+        the context exits."""
         if not self.due(step):
             yield
             return
-        with _recording(self.model, self._keep) as stores:
+        with _recording(self.model, self._keep, accumulate=True) as stores:
             yield
         self.history.append({"step": step, "layers": _layer_statistics(*_stacked_counts(stores))})
 
@@ -390,7 +464,7 @@ class QuantStats:
                              "their token groups from the host; record eagerly with QuantStats.step")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            with _recording(self.model, self._keep) as stores:
+            with _recording(self.model, self._keep, accumulate=True) as stores:
                 loss = step_fn()
             entries, counts = _stacked_counts(stores)
 

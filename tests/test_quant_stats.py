@@ -182,3 +182,69 @@ def test_graphed_recorded_steps_give_the_eager_statistics_and_losses():
     assert runs["graph"][1] == runs["eager"][1]
     assert [h["step"] for h in runs["graph"][1]] == [0, 1, 2, 3, 4]
     assert set(runs["graph"][1][4]["layers"]["0"]) == OPERANDS
+
+
+def _fresh_seed():
+    return int(torch.randint(0, 2**31, ()))
+
+
+def _x_counts(x):
+    """operand_counts of X as fprop's A quantizes it under the default recipe (1d, per tensor, RN)."""
+    return operand_counts(x, nr.NVFP4Tensor.from_hp(x, backend="reference"))
+
+
+def test_gradient_accumulation_sums_the_counts_of_every_micro_batch():
+    """Two micro-batches in one step: X's statistics are those of the summed counts of both (not
+    the last one's), W's those of the weight alone, and the gradients are a plain model's."""
+    g = torch.Generator().manual_seed(_fresh_seed())
+    base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    plain = nr.quantize_(copy.deepcopy(base), nr.NVFP4Recipe(backend="reference"))
+    watched = nr.quantize_(copy.deepcopy(base), nr.NVFP4Recipe(backend="reference"))
+    x1 = torch.randn(32, 64, generator=g)
+    x2 = torch.randn(48, 64, generator=g) * torch.rand(48, 64, generator=g).pow(4)  # other shares
+    stats = nr.QuantStats(watched, every=1)
+    with stats.step(0):
+        for x in (x1, x2):
+            _step(watched, x)
+    for x in (x1, x2):
+        _step(plain, x)
+    layer = stats.history[0]["layers"]["0"]
+    assert set(layer) == OPERANDS
+    both = _statistics(_x_counts(x1) + _x_counts(x2), False)
+    last = _statistics(_x_counts(x2), False)
+    assert layer["x"] == pytest.approx(both, rel=1e-12)
+    assert layer["x"]["relative_mse"] != pytest.approx(last["relative_mse"], rel=1e-3)
+    w = watched[0].quantized_weight()
+    assert layer["w"] == pytest.approx(_statistics(operand_counts(watched[0].weight, w), False),
+                                       rel=1e-12)
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_an_eval_step_records_only_the_copies_a_no_grad_forward_makes():
+    model = nr.quantize_(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32)),
+                         nr.NVFP4Recipe(backend="reference"))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(_fresh_seed()))
+    stats = nr.QuantStats(model, every=1)
+    with stats.step(0), torch.no_grad():
+        model(x)
+    layers = stats.history[0]["layers"]
+    assert set(layers) == {"0", "2"} and all(set(ops) == {"w", "x"} for ops in layers.values())
+    assert layers["0"]["x"] == pytest.approx(_statistics(_x_counts(x), False), rel=1e-12)
+    with nr.capture(model) as ops, torch.inference_mode():
+        model(x)
+    assert set(ops["0"]) == {"w", "x"}
+    with stats.step(1):  # a training step after it records every copy again
+        _step(model, x)
+    assert all(set(ops) == OPERANDS for ops in stats.history[1]["layers"].values())
+
+
+def test_an_eval_step_of_experts_records_no_wgrad_copy():
+    model = nr.quantize_(tiny_qwen3_moe(), nr.NVFP4Recipe(backend="reference"))
+    stats = nr.QuantStats(model, every=1)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(_fresh_seed()))
+    with stats.step(0), torch.no_grad():
+        model(tokens)
+    layers = stats.history[0]["layers"]
+    assert "model.layers.0.mlp.experts.down_proj" in layers
+    assert all(set(ops) == {"w", "x"} for ops in layers.values())
