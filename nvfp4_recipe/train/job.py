@@ -161,12 +161,7 @@ def _check_out(out: str, overwrite: bool) -> None:
     if os.path.exists(os.path.join(out, "results.json")) and not overwrite:
         raise ValueError(f"--out {out}: already holds results.json of an earlier run; choose another "
                          f"--out or pass --overwrite to replace it")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write there: {e.strerror or e}") from None
+    _check_writable("--out", out)
 
 
 def _check_export(directory: Optional[str], recipes: Sequence[str], cfg) -> None:
@@ -193,12 +188,21 @@ def _check_export(directory: Optional[str], recipes: Sequence[str], cfg) -> None
             check_exportable(model)
         except ValueError as e:
             raise ValueError(f"--export {directory}: recipe {name}: {e}") from None
+    _check_writable("--export", directory)
+
+
+def _check_writable(option: str, directory: str) -> None:
+    """Create ``directory`` if needed and write a temporary file there.
+
+    Raises:
+        ValueError: naming ``option``, where that fails.
+    """
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        raise ValueError(f"--export {directory}: cannot write there: {e.strerror or e}") from None
+        raise ValueError(f"{option} {directory}: cannot write there: {e.strerror or e}") from None
 
 
 # config.json's entry holding the TinyLM shape of an --export checkpoint (servers ignore it)
