@@ -3,7 +3,7 @@ quantized operands a training step actually used."""
 
 import contextlib
 import math
-from typing import Callable, Dict, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -20,7 +20,8 @@ from .recipe import NVFP4Recipe
 from .spec import Block, GemmRole, QuantSpec
 from .tensor import NVFP4Tensor
 
-__all__ = ["summary", "tensor_stats", "capture", "QuantStats", "operand_counts", "COUNTS"]
+__all__ = ["summary", "tensor_stats", "capture", "QuantStats", "operand_counts", "COUNTS",
+           "plot_quant_stats", "STAT_PANELS"]
 
 E2M1_MAX_CODE = len(E2M1_GRID) - 1  # the magnitude code of 6
 # A block scale rounded to E4M3 (3 mantissa bits) may sit up to 2**-4 below block_amax / 6, which
@@ -430,6 +431,11 @@ class QuantStats:
     def _keep(self, hp: torch.Tensor, q: NVFP4Tensor):
         return operand_counts(hp, q, self.max_rows, self.max_cols), q.four_over_six is not None
 
+    def plot(self, path: str, title: str = "") -> None:
+        """Write a PNG of :attr:`history` to ``path``: :func:`plot_quant_stats` of this one
+        history (its errors: matplotlib missing, nothing recorded yet)."""
+        plot_quant_stats(self, path, title)
+
     def graphable(self) -> bool:
         """Whether :meth:`graphed` can capture a recorded step of this model: its NVFP4 layers
         are all dense (an experts module reads its token groups' bounds on the host to record
@@ -500,4 +506,112 @@ def _layer_statistics(entries, counts: Optional[torch.Tensor]) -> Dict[str, Dict
     if counts is not None:
         for (layer, operand, fos), c in zip(entries, counts.cpu()):
             out.setdefault(layer, {})[operand] = _statistics(c, fos)
+    return out
+
+
+# The QuantStats statistics plot_quant_stats draws, one panel each (mapped_to_4 only under 4/6).
+STAT_PANELS = ("flushed_to_zero", "saturated", "relative_mse", "zero_scale_blocks",
+               "subnormal_scale_blocks", "mapped_to_4")
+_OPERAND_STYLES = {"w": "-", "x": "--", "xt": ":", "dy": "-.", "dyt": (0, (3, 1, 1, 1, 1, 1))}
+History = Sequence[Dict[str, object]]
+
+
+def plot_quant_stats(stats: Union[QuantStats, History, Mapping[str, History]], path: str,
+                     title: str = "") -> None:
+    """Write a PNG (1600 x 800 pixels) of QuantStats statistics against the step: one panel per
+    statistic of :data:`STAT_PANELS` (``mapped_to_4`` only where 4/6 recorded it), a line style
+    per operand ("w", "x", "xt", "dy", "dyt"), each point the mean over the layers of one recorded
+    step; a color per history. ``nvfp4-recipe train --quant-stats-every`` draws its
+    ``quant_stats.png`` with it. Uses matplotlib's object API (no pyplot: the session's backend is
+    left as it is).
+
+    Args:
+        stats: a :class:`QuantStats`, its ``history`` (a list of ``{"step", "layers"}``), or
+            ``{label: history}`` to compare runs (e.g. recipes; the labels go in the legend).
+        path: the PNG file to write (its directory must exist).
+        title: the figure's title, above "mean over the layers".
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+        ValueError: no history holds a recorded step.
+        TypeError: ``stats`` is none of those kinds.
+    """
+    histories = _histories(stats)
+    figure_class, line_class, colors = _matplotlib()
+    fig = figure_class(figsize=(16, 8))
+    for ax, stat in zip(fig.subplots(2, 3).flat, STAT_PANELS):
+        for i, history in enumerate(histories.values()):
+            for operand, points in _operand_means(history, stat).items():
+                ax.plot(*zip(*points), color=colors[i % len(colors)],
+                        linestyle=_OPERAND_STYLES.get(operand, "-"))
+        ax.set(xlabel="step", ylabel="MSE / mean square" if stat == "relative_mse" else "share",
+               title=stat.replace("_", " "))
+        ax.grid(alpha=0.3)
+    handles = _legend(line_class, histories, colors)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle("\n".join(filter(None, (title, "mean over the layers"))), fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
+
+
+def _histories(stats) -> Dict[str, History]:
+    """``{label: history}`` of :func:`plot_quant_stats`' argument (one history: label ""), the
+    empty histories left out.
+
+    Raises:
+        TypeError: not a QuantStats, a list of history entries or a mapping of them.
+        ValueError: nothing recorded.
+    """
+    if isinstance(stats, QuantStats):
+        stats = {"": stats.history}
+    elif isinstance(stats, (list, tuple)):
+        stats = {"": stats}
+    if not isinstance(stats, Mapping) or not all(
+            isinstance(h, (list, tuple)) and all(isinstance(e, dict) and "layers" in e for e in h)
+            for h in stats.values()):
+        raise TypeError("plot_quant_stats: stats must be a QuantStats, its history (a list of "
+                        "{'step', 'layers'} dicts) or a dict {label: history}, got "
+                        f"{type(stats).__name__}")
+    recorded = {label: h for label, h in stats.items() if h}
+    if not recorded:
+        raise ValueError("plot_quant_stats: nothing recorded: no history holds a step (QuantStats "
+                         "records only inside QuantStats.step on due steps)")
+    return recorded
+
+
+def _matplotlib():
+    """(matplotlib's Figure class, its Line2D class, the default color cycle).
+
+    Raises:
+        ImportError: matplotlib is not installed, saying how to install it.
+    """
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+    except ImportError as e:
+        raise ImportError("plot_quant_stats needs matplotlib, an optional dependency: "
+                          "pip install 'nvfp4-recipe[plot]' (or pip install matplotlib)") from e
+    return Figure, Line2D, matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def _legend(line_class, histories: Mapping[str, History], colors: Sequence[str]) -> list:
+    """Legend handles (``line_class``: matplotlib's Line2D): a color per labelled history, a line
+    style per operand."""
+    handles = [line_class([], [], color=colors[i % len(colors)], label=label)
+               for i, label in enumerate(histories) if label]
+    return handles + [line_class([], [], color="gray", linestyle=style, label=operand)
+                      for operand, style in _OPERAND_STYLES.items()]
+
+
+def _operand_means(history: History, stat: str) -> Dict[str, List[tuple]]:
+    """{operand: [(step, mean over the layers of ``stat``)]} of a QuantStats history."""
+    out: Dict[str, List[tuple]] = {}
+    for entry in history:
+        per_operand: Dict[str, List[float]] = {}
+        for operands in entry["layers"].values():
+            for operand, stats in operands.items():
+                if stat in stats:
+                    per_operand.setdefault(operand, []).append(stats[stat])
+        for operand, values in per_operand.items():
+            out.setdefault(operand, []).append((entry["step"], sum(values) / len(values)))
     return out

@@ -4,6 +4,7 @@ experts layers, record only on due steps and change no number of the training st
 
 import copy
 import math
+import sys
 
 import pytest
 import torch
@@ -248,3 +249,41 @@ def test_an_eval_step_of_experts_records_no_wgrad_copy():
     layers = stats.history[0]["layers"]
     assert "model.layers.0.mlp.experts.down_proj" in layers
     assert all(set(ops) == {"w", "x"} for ops in layers.values())
+
+
+def _png_size(path):
+    """(width, height) from a PNG's IHDR chunk; asserts the PNG signature."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_plot_writes_a_png_of_the_history(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = nr.quantize_(nn.Sequential(nn.Linear(64, 64)),
+                         nr.NVFP4Recipe(backend="reference", four_over_six="weights"))
+    stats = nr.QuantStats(model, every=1)
+    g = torch.Generator().manual_seed(_fresh_seed())
+    for step in range(3):
+        with stats.step(step):
+            _step(model, torch.randn(32, 64, generator=g))
+    stats.plot(tmp_path / "one.png", title="tiny")
+    assert _png_size(tmp_path / "one.png") == (1600, 800)
+    nr.inspect.plot_quant_stats({"a": stats.history, "b": stats.history[:2]}, tmp_path / "two.png")
+    assert _png_size(tmp_path / "two.png") == (1600, 800)
+    with pytest.raises(ValueError, match="nothing recorded"):
+        nr.QuantStats(model).plot(tmp_path / "none.png")
+    with pytest.raises(TypeError, match="must be a QuantStats"):
+        nr.inspect.plot_quant_stats("history", tmp_path / "bad.png")
+    assert not (tmp_path / "none.png").exists() and not (tmp_path / "bad.png").exists()
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
+    stats = nr.QuantStats(nn.Linear(16, 16))
+    stats.history.append({"step": 0, "layers": {"0": {"x": {"saturated": 0.0}}}})
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.lines"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"needs matplotlib.*pip install 'nvfp4-recipe\[plot\]'"):
+        stats.plot(tmp_path / "q.png")
+    assert not (tmp_path / "q.png").exists()

@@ -5,6 +5,7 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
+from ..inspect import plot_quant_stats as inspect_plot
 from .config import BASELINE
 from .loop import RunResult
 
@@ -161,58 +162,14 @@ def plot_curves(path: str, results: Sequence[RunResult], title: str) -> None:
     plt.close(fig)
 
 
-# the QuantStats statistics plot_quant_stats draws, one panel each (mapped_to_4 only under 4/6)
-STAT_PANELS = ("flushed_to_zero", "saturated", "relative_mse", "zero_scale_blocks",
-               "subnormal_scale_blocks", "mapped_to_4")
-
-
-def _operand_means(history: Sequence[dict], stat: str) -> Dict[str, List[tuple]]:
-    """{operand: [(step, mean over the layers of ``stat``)]} of a QuantStats history."""
-    out: Dict[str, List[tuple]] = {}
-    for entry in history:
-        per_operand: Dict[str, List[float]] = {}
-        for operands in entry["layers"].values():
-            for operand, stats in operands.items():
-                if stat in stats:
-                    per_operand.setdefault(operand, []).append(stats[stat])
-        for operand, values in per_operand.items():
-            out.setdefault(operand, []).append((entry["step"], sum(values) / len(values)))
-    return out
-
-
-_OPERAND_STYLES = {"w": "-", "x": "--", "xt": ":", "dy": "-.", "dyt": (0, (3, 1, 1, 1, 1, 1))}
-
-
 def plot_quant_stats(path: str, results: Sequence[RunResult], title: str) -> bool:
     """PNG of the quantization statistics (``--quant-stats-every``) of each recipe's first seed
-    against the step: one panel per statistic, a color per recipe and a line style per operand
-    (the mean over the layers). Returns False (and writes nothing) when no run recorded any."""
+    against the step (:func:`nvfp4_recipe.inspect.plot_quant_stats`: one panel per statistic, a
+    color per recipe and a line style per operand, the mean over the layers). Returns False (and
+    writes nothing) when no run recorded any."""
     first = min((r.seed for r in results), default=0)
-    recorded = [r for r in results if r.quant_stats and r.seed == first]
+    recorded = {r.recipe: r.quant_stats for r in results if r.quant_stats and r.seed == first}
     if not recorded:
         return False
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
-    for ax, stat in zip(axes.flat, STAT_PANELS):
-        for i, r in enumerate(recorded):
-            for operand, points in _operand_means(r.quant_stats, stat).items():
-                ax.plot(*zip(*points), color=colors[i % len(colors)],
-                        linestyle=_OPERAND_STYLES.get(operand, "-"))
-        ax.set(xlabel="step", ylabel="MSE / mean square" if stat == "relative_mse" else "share",
-               title=stat.replace("_", " "))
-        ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=colors[i % len(colors)], label=r.recipe)
-               for i, r in enumerate(recorded)]
-    handles += [Line2D([], [], color="gray", linestyle=style, label=operand)
-                for operand, style in _OPERAND_STYLES.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    fig.suptitle(f"{title}\nmean over the layers, seed {first}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    inspect_plot(recorded, path, f"{title}\nseed {first}")
     return True
