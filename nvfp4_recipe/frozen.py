@@ -21,11 +21,12 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from . import quantizers
 from . import reference as R
-from .backends import resolved
+from .backends import get_backend, resolved
 from .formats import BLOCK
 from .layer import (NVFP4Module, autocast_off, backend_name, layer_seed, next_sr_key, out_dtype,
-                    training)
+                    sr_key, training)
 from .linear import linear_fprop, linear_grads
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
@@ -38,6 +39,7 @@ GEMMS = ("nvfp4", "bf16")
 # the specs of a checkpoint's weight: 1x16 scales (W^T then requantized along N, as 1d), or
 # 16x16 tile scales (W^T the exact transpose)
 _W_1D, _W_2D = QuantSpec(Block.D1), QuantSpec(Block.D2)
+_DGRAD = quantizers.Usage(dgrad=True, wgrad=False)  # the GEMMs of a frozen layer: fprop and dgrad
 
 
 def tile_scales(scale: torch.Tensor) -> Optional[torch.Tensor]:
@@ -194,7 +196,34 @@ class NVFP4FrozenLinear(NVFP4Module):
             else:
                 y = _fprop(self.operand, x2, self.bias, self.rht_signs, self.recipe, backend,
                            self.gemm, y_dtype)
+        if self.captured is not None and self.gemm == "nvfp4" and x2.shape[0]:
+            self._capture(x2, y, backend)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
+        """Record, for ``inspect.capture`` / ``QuantStats`` (``self.captured``, a
+        :class:`layer.Recording`), the operands this layer quantizes: ``"x"`` (X (M, K) as fprop's
+        A) now and ``"dy"`` (dY (M, N) as dgrad's A, SR from the layer's stream) when the gradient
+        of ``y`` (M, N) arrives; quantized again with the same specs and SR key, so they hold the
+        bits the GEMMs used. The weight is not recorded: its stored codes have no high-precision
+        original to measure against (``weight`` gives them); there is no wgrad (no X^T, dY^T)."""
+        be, rec, signs, r = get_backend(backend, x2.device), self.captured, self.rht_signs, self.recipe
+
+        def keep(t: torch.Tensor, q: quantizers.OperandQuantizer):
+            op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
+                             amax_reduce=quantizers.amax_reducer(q))
+            return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
+
+        with torch.no_grad():
+            rec.store["x"] = keep(x2.detach(), quantizers.build(r, signs, _DGRAD).x.rowwise)
+        if y.requires_grad:
+            seed = sr_key(*self.sr_state())  # before the backward advances it
+
+            def record_dy(dy: torch.Tensor) -> None:
+                q = quantizers.build(r, signs, _DGRAD, dy=tuple(dy.shape), sr_key=seed).dy
+                with torch.no_grad():
+                    rec.store["dy"] = keep(dy, q.rowwise)
+            y.register_hook(record_dy)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

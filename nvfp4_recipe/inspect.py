@@ -379,6 +379,8 @@ class QuantStats:
     step's elements together (a micro-batch weighs by its elements; W, the same in each, keeps its
     statistics). An eval step (a forward under ``torch.no_grad()`` / ``torch.inference_mode()``)
     records the copies that forward makes: ``"w"`` and ``"x"``, no ``"xt"``.
+    A frozen NVFP4 linear (:class:`frozen.NVFP4FrozenLinear`) records the activation copies it
+    quantizes, ``"x"`` and ``"dy"`` (no weight: stored codes; no wgrad copies).
 
     On a recorded step every operand is quantized once more (as :func:`capture` does). Run that
     step eagerly inside :meth:`step`, or, in a loop that replays its step in a CUDA graph, replay

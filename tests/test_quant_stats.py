@@ -13,7 +13,9 @@ from torch import nn
 import nvfp4_recipe as nr
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.inspect import COUNTS, _statistics, operand_counts
-from nvfp4_recipe.spec import Block, FourOverSix, QuantSpec, Rounding
+from nvfp4_recipe.frozen import NVFP4FrozenLinear
+from nvfp4_recipe.recipe import SR_OFFSETS
+from nvfp4_recipe.spec import Block, FourOverSix, GemmRole, QuantSpec, Rounding
 from nvfp4_cases import rand
 from test_moe import tiny_qwen3_moe
 
@@ -287,3 +289,45 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"needs matplotlib.*pip install 'nvfp4-recipe\[plot\]'"):
         stats.plot(tmp_path / "q.png")
     assert not (tmp_path / "q.png").exists()
+
+
+def _frozen(n, k, g, gemm="nvfp4"):
+    """A frozen NVFP4 linear (n, k) from a fresh random weight's 1d quantization, reference backend."""
+    w = nr.NVFP4Tensor.from_hp(torch.randn(n, k, generator=g), backend="reference")
+    return NVFP4FrozenLinear(w.qdata, w.scale, w.outer_scale, recipe=nr.NVFP4Recipe(backend="reference"),
+                             dtype=torch.float32, gemm=gemm)
+
+
+def test_frozen_layers_record_their_activation_copies():
+    """A frozen NVFP4 base records X (fprop's A) and dY (dgrad's A, SR from the layer's stream),
+    with the statistics of those very quantizations; no weight (stored codes), no wgrad copy; the
+    gradient is the unrecorded one; a no-grad step records X; gemm='bf16' quantizes nothing."""
+    g = torch.Generator().manual_seed(_fresh_seed())
+    layer = _frozen(32, 64, g)
+    x = torch.randn(48, 64, generator=g)
+    sr = int(layer.sr_seed) + (int(layer.sr_step) << 32)  # the key of the next backward
+    y = layer(x).requires_grad_()
+    y.square().mean().backward()
+    dy = y.grad  # the gradient the layer receives, as autograd computes it
+    xa = x.clone().requires_grad_()
+    layer(xa).square().mean().backward()
+    stats = nr.QuantStats(layer, every=1)
+    layer.sr_step.sub_(1)  # the recorded step takes the same SR key
+    xb = x.clone().requires_grad_()
+    with stats.step(0):
+        layer(xb).square().mean().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    ops = stats.history[0]["layers"][""]
+    assert set(ops) == {"x", "dy"}
+    assert ops["x"] == pytest.approx(_statistics(_x_counts(x), False), rel=1e-12)
+    dyq = nr.NVFP4Tensor.from_hp(dy, rounding="sr", seed=sr, offset=SR_OFFSETS[GemmRole.DY_DGRAD],
+                                 backend="reference")
+    assert ops["dy"] == pytest.approx(_statistics(operand_counts(dy, dyq), False), rel=1e-12)
+    assert ops["dy"]["relative_mse"] > 0
+    with stats.step(1), torch.no_grad():
+        layer(x)
+    assert set(stats.history[1]["layers"][""]) == {"x"}
+    bf16 = nr.QuantStats(_frozen(32, 64, g, gemm="bf16"), every=1)
+    with bf16.step(0):
+        bf16.model(x.clone().requires_grad_()).sum().backward()
+    assert bf16.history[0]["layers"] == {}
