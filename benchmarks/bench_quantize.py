@@ -12,7 +12,10 @@ are written as fp16 inner values (2 bytes an element) instead of codes and scale
 rows time ``NVFP4Tensor.from_hp`` as a user calls it (checks, amax pass, quantize pass, the tensor),
 their bytes those of one read and one rowwise copy.
 
-    python benchmarks/bench_quantize.py [--json out.json] [--warm-procs 8]
+    python benchmarks/bench_quantize.py [--json out.json] [--warm-procs 8] [--shapes 32768x512 ...]
+
+``--shapes`` times other (M, K) shapes, e.g. the GPU preset model's operands (32768 tokens x 512,
+1536 and 2048 features), where the pairs run narrower tiles than at the default shapes.
 
 ``--warm-procs`` compiles the kernel variants in parallel processes first (Triton's on-disk cache
 then serves the timed process), which shortens a cold run on a many-core machine.
@@ -128,6 +131,17 @@ def check(x: torch.Tensor, signs: torch.Tensor) -> None:
             assert torch.equal(out.scale.view(torch.uint8), ref.scale.view(torch.uint8))
 
 
+def shape(text: str):
+    """An ``MxK`` argument as (M, K), both multiples of 16."""
+    try:
+        m, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MxK, e.g. 32768x512") from None
+    if m <= 0 or k <= 0 or m % 16 or k % 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: M and K must be positive multiples of 16")
+    return m, k
+
+
 def warm(procs: int) -> None:
     """Compile every kernel variant of the benchmark in ``procs`` parallel processes."""
     jobs = [subprocess.Popen([sys.executable, __file__, "--warm-only", str(i), str(procs)])
@@ -159,6 +173,8 @@ def main():
     parser.add_argument("--warm-procs", type=int, default=0, help="precompile in N processes first")
     parser.add_argument("--warm-only", nargs=2, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-torchao", action="store_true")
+    parser.add_argument("--shapes", nargs="+", type=shape, default=SHAPES, metavar="MxK",
+                        help="the (M, K) shapes to time (default: 16384x4096 16384x14336)")
     args = parser.parse_args()
     if args.warm_only:
         return warm_only(*args.warm_only)
@@ -167,7 +183,7 @@ def main():
 
     copy = copy_gbps()
     rows, same_size = [], {}
-    for m, k in SHAPES:
+    for m, k in args.shapes:
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         signs = R.random_signs().cuda()
