@@ -5,7 +5,6 @@ comes first, torchao is imported here, once.
 """
 
 import logging
-import os
 
 
 class _DropRecord(logging.Filter):
@@ -20,20 +19,16 @@ class _DropRecord(logging.Filter):
 
 
 def _import_torchao_quietly() -> None:
-    """Import torchao without its import-time log lines.
+    """Import torchao as torchao imports itself, without its import-time log lines.
 
-    We use torchao's Python layers only (AOBaseConfig, TorchAOBaseTensor, the quantize_ handler
-    registry); its compiled extensions are built for other torch versions, so we skip loading them
-    (TORCHAO_FORCE_SKIP_LOADING_SO_FILES, set for this import only unless the user set it). torchao
-    then logs that it skipped them, and registering its enums with torch's pytree logs a torch
-    deprecation warning; those two records are dropped, during this import only.
+    torchao decides by itself whether to load its compiled extensions (its torch-version check,
+    or the user's TORCHAO_FORCE_SKIP_LOADING_SO_FILES), so a process that also uses torchao's
+    float8 or MX kernels keeps them. Where an extension does not load (a CPU build of torch, a
+    CUDA version it was not built for), torchao logs that; and registering its enums with torch's
+    pytree logs a torch deprecation warning. Those records are dropped, during this import only.
     """
-    env = "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"
-    drops = {"torchao": _DropRecord("Skipping import of cpp extensions due to " + env),
+    drops = {"torchao": _DropRecord("Failed to load "),
              "torch.utils._pytree": _DropRecord("is an Enum subclass and is now natively supported")}
-    set_env = env not in os.environ
-    if set_env:
-        os.environ[env] = "1"
     for name, drop in drops.items():
         logging.getLogger(name).addFilter(drop)
     try:
@@ -41,8 +36,6 @@ def _import_torchao_quietly() -> None:
     finally:
         for name, drop in drops.items():
             logging.getLogger(name).removeFilter(drop)
-        if set_env:
-            del os.environ[env]
 
 
 _import_torchao_quietly()
