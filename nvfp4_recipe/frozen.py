@@ -27,7 +27,7 @@ from .backends import get_backend, resolved
 from .formats import BLOCK
 from .layer import (NVFP4Module, autocast_off, backend_name, layer_seed, next_sr_key, out_dtype,
                     sr_key, training)
-from .linear import linear_fprop, linear_grads
+from .linear import linear_fprop, linear_grads, recorded
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
 from .spec import Block, QuantSpec
@@ -208,11 +208,7 @@ class NVFP4FrozenLinear(NVFP4Module):
         bits the GEMMs used. The weight is not recorded: its stored codes have no high-precision
         original to measure against (``weight`` gives them); there is no wgrad (no X^T, dY^T)."""
         be, rec, signs, r = get_backend(backend, x2.device), self.captured, self.rht_signs, self.recipe
-
-        def keep(t: torch.Tensor, q: quantizers.OperandQuantizer):
-            op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
-                             amax_reduce=quantizers.amax_reducer(q))
-            return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
+        keep = functools.partial(recorded, be, backend, rec)  # keep(t, q)
 
         with torch.no_grad():
             rec.store["x"] = keep(x2.detach(), quantizers.build(r, signs, _DGRAD).x.rowwise)

@@ -8,6 +8,7 @@ tensor-parallel layer (DTensor weight) runs the same algorithm on its shards
 (``tensor_parallel.py``).
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -26,7 +27,7 @@ from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
 
-__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads"]
+__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads", "recorded"]
 
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
@@ -70,6 +71,15 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
     q = quantizers.build(recipe, signs, Usage(wt is not None, xt is not None), shard, dy.shape,
                          seed)
     return gemms.grads(_dense(shard), be, dy, wt, xt, q, dx_dtype, dw_dtype)
+
+
+def recorded(be: Backend, backend: str, rec, t: torch.Tensor,
+             q: quantizers.OperandQuantizer) -> NVFP4Tensor:
+    """``t`` quantized again as its GEMM quantized it (``q``: its spec, signs, SR stream and amax)
+    and kept in the :class:`layer.Recording` ``rec`` (``inspect.capture``, ``QuantStats``)."""
+    op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
+                     amax_reduce=quantizers.amax_reducer(q))
+    return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
 
 
 _DENSE = gemms.Dense()
@@ -279,11 +289,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         be, rec = get_backend(backend, x2.device), self.captured
         signs, r, names = self.rht_signs, self.recipe, nvfp4_operands(self.recipe)
         x2 = x2.detach()
-
-        def keep(t, q):  # q: the operand's quantizers.OperandQuantizer
-            op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
-                             amax_reduce=quantizers.amax_reducer(q))
-            return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
+        keep = functools.partial(recorded, be, backend, rec)  # keep(t, q)
 
         fwd = quantizers.build(r, signs, _EVERY_COPY, weight_amax=self.shared_weight_amax())
         with torch.no_grad():

@@ -11,7 +11,7 @@ Rounding: the divisions by 6 and by 6 x bound (1536 = 3 * 2**9, 2688 = 21 * 2**7
 by D = 3 or 21 and a power of two. :func:`div_exact` gives the IEEE fp32 quotient p / D in fp32
 arithmetic (a product by fp32(1 / D), its exact remainder, one correction): p / D is never within
 ulp / (2 D) of a rounding midpoint, so the corrected quotient is the correctly rounded one (checked
-on every fp32 significand, tests/test_four_over_six.py). The power of two is then exact while the
+on every fp32 significand, tests/test_kernels_exact_arithmetic.py). The power of two is then exact while the
 quotient is a normal number, which holds for every block of a tensor whose amax lies in
 [2**-100, 2**100] (or is 0); a tensor outside (or a program of per-token rows one of which is)
 takes the fp64 divisions, rounded once to fp32, in a uniform branch. The two places where the
@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from ..spec import FourOverSix, FourOverSixError
-from .rounding import INTERPRETED, e2m1_value, scale_and_encode
+from .rounding import e2m1_value, scale_and_encode
+from .runtime import INTERPRETED
 from .tiles import abs_max16
 
 # fp32(1 / 3) and fp32(1 / 21)

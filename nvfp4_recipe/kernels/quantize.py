@@ -59,8 +59,10 @@ def sign_bits(v):
 
 @triton.jit
 def nibbles(v, bits, SR: tl.constexpr):
-    """(code magnitudes + offset, sign bits) of scaled values ``v``, uint32 tensors shaped like v
-    (:func:`sign_bits`)."""
+    """(code magnitudes + offset, sign bits) of scaled values ``v``, uint32 tensors shaped like v.
+
+    The sign is set for v < 0 (so -0.0 and NaN give +0), as ``formats.e2m1_encode_rn`` takes it.
+    """
     if SR:
         c = e2m1_sr(v, bits)
     else:
@@ -71,7 +73,7 @@ def nibbles(v, bits, SR: tl.constexpr):
 @triton.jit
 def finish_half(code, sign, bad, SR: tl.constexpr):
     """A uint32 word of 8 packed nibbles from the base-16 sums of their codes (with offsets) and
-    of their sign bits; ``bad`` zeroes blocks with a NaN encode scale, signs included."""
+    of their sign bits; ``bad`` zeroes the magnitudes of blocks with a NaN encode scale."""
     OFFSET: tl.constexpr = SR_OFFSET if SR else RN_OFFSET
     return tl.where(bad, 0, code - ((OFFSET * 0x11111111) & 0xFFFFFFFF)) + sign * 8
 
@@ -87,7 +89,7 @@ def finish_words(code, sign, bad, SR: tl.constexpr):
 def encode16(v, bits, bad, mul16, SR: tl.constexpr):
     """E2M1 codes of scaled block values ``v`` (A, B, 16), packed into (A, B) uint64 words.
 
-    bad: (A, B) true for blocks with a NaN encode scale (non-finite data): all codes 0.
+    bad: (A, B) true for blocks with a NaN encode scale (non-finite data): magnitudes 0.
     bits: SR randoms shaped like v (SR only).
     """
     c, s = nibbles(v, bits, SR)

@@ -13,13 +13,12 @@ Compiled for a GPU, the E4M3 and bf16 roundings use the hardware's round-to-near
 interpreter (``INTERPRETED``), whose casts truncate, the same roundings by bit operations.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from .runtime import INTERPRETED
+
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # as triton.jit reads it
 
 
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1 / 6), TE's reciprocal(6.0)
@@ -195,9 +194,9 @@ def e2m1_sr(v, r):
 
 @triton.jit
 def round_to(y, dtype: tl.constexpr):
-    """fp32 ``y`` rounded to the precision of ``dtype`` (nearest even), as fp32: bf16 by bit
-    operations (the interpreter truncates fp32 -> bf16 casts; NaN and Inf are kept), fp16 by
-    a cast (exact on both), fp32 unchanged. The transformed RHT operand is rounded so (item 7)."""
+    """fp32 ``y`` rounded to the precision of ``dtype`` (nearest even), as fp32: bf16 by the
+    hardware conversion on a GPU and by bit operations under the interpreter (which truncates
+    fp32 -> bf16 casts; NaN and Inf are kept), fp16 by a cast (exact on both), fp32 unchanged. The transformed RHT operand is rounded so (item 7)."""
     if dtype == tl.bfloat16 and not INTERPRETED:
         return y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
     elif dtype == tl.bfloat16:

@@ -27,6 +27,7 @@ from triton.runtime.autotuner import Autotuner
 log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = tl.constexpr(_INTERPRET)  # the same, for @triton.jit code's compile-time branches
 
 
 def cdiv(a: int, b: int) -> int:
@@ -99,6 +100,9 @@ def tuning() -> bool:
     return os.environ.get("NVFP4_AUTOTUNE") == "1"
 
 
+_AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters
+
+
 def autotune(configs, key, prune):
     """``triton.autotune(configs, key, prune_configs_by={"early_config_prune": prune})``, with
     the tuned configs cached on disk across processes (``cache_results``, where this Triton has
@@ -106,9 +110,6 @@ def autotune(configs, key, prune):
     cache = {"cache_results": True} if "cache_results" in _AUTOTUNE_PARAMS else {}
     return triton.autotune(configs=configs, key=key,
                            prune_configs_by={"early_config_prune": prune}, **cache)
-
-
-_AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters
 
 
 def prune_wide_tiles(tile_cols, lead=None):
