@@ -12,7 +12,7 @@ from . import reference as R
 from .api import check_module, frozen_layers, linear_layers, nvfp4_counts, skip_reasons
 from .conv1d import features
 from .formats import BLOCK, E2M1_GRID, unpack_nibbles
-from .layer import NVFP4Module, Recording, training
+from .layer import NVFP4Module, Recording
 from .linear import NVFP4Linear
 from .moe import NVFP4Experts
 from .operand import NVFP4Operand
@@ -107,31 +107,16 @@ def _recording(model: nn.Module, keep, accumulate: bool = False
                ) -> Iterator[Dict[str, Dict[str, object]]]:
     """Every NVFP4 module of ``model`` records ``keep(hp, q)`` of its operands
     (:class:`layer.Recording`, in a :class:`_Store`) inside the context; yields ``{fqn: its
-    store}``. A forward pre-hook tells each store whether the call runs fprop only."""
+    store}``."""
     layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NVFP4Module)}
-    hooks = []
     for layer in layers.values():
         layer.captured = Recording(keep)
         layer.captured.store = _Store(accumulate)
-        hooks.append(layer.register_forward_pre_hook(_note_fprop_only, with_kwargs=True))
     try:
         yield {fqn: layer.captured.store for fqn, layer in layers.items()}
     finally:
-        for hook in hooks:
-            hook.remove()
         for layer in layers.values():
             layer.captured = None
-
-
-def _note_fprop_only(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a recorded module: the call runs fprop only (no_grad, inference
-    mode, or nothing requiring grad: ``layer.training``), so its store takes no wgrad copy."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    module.captured.store.fprop_only = not training(*tensors, *module.parameters())
-
-
-# The copy a layer makes in forward for wgrad only: a call that runs fprop only makes none.
-_WGRAD_FORWARD_COPIES = frozenset({"xt"})
 
 
 class _Store(dict):
@@ -139,22 +124,17 @@ class _Store(dict):
     ``{projection: {name: [one per expert or token group]}}`` (inner stores made by
     ``setdefault``).
 
-    It leaves out ``"xt"`` (X^T, wgrad's B) while ``fprop_only`` (set per call by
-    :func:`_note_fprop_only`): a no-grad call (an eval step) makes no X^T. With ``accumulate``
-    (:class:`QuantStats`) a name recorded again within the context is merged with what it holds
-    (:func:`_merged`: counts summed, experts' lists extended), so a step of several micro-batches
-    (gradient accumulation) is recorded whole; otherwise (:func:`capture`) the last one replaces
-    it.
+    With ``accumulate`` (:class:`QuantStats`) a name recorded again within the context is merged
+    with what it holds (:func:`_merged`: counts summed, experts' lists extended), so a step of
+    several micro-batches (gradient accumulation) is recorded whole; otherwise (:func:`capture`)
+    the last one replaces it.
     """
 
-    def __init__(self, accumulate: bool, root: Optional["_Store"] = None):
+    def __init__(self, accumulate: bool):
         super().__init__()
-        self.accumulate, self.fprop_only = accumulate, False
-        self.root = self if root is None else root  # an empty root is falsy: no `or`
+        self.accumulate = accumulate
 
     def __setitem__(self, name: str, value) -> None:
-        if name in _WGRAD_FORWARD_COPIES and self.root.fprop_only:
-            return
         if self.accumulate and name in self:
             value = _merged(self[name], value)
         super().__setitem__(name, value)
@@ -165,7 +145,7 @@ class _Store(dict):
 
     def setdefault(self, name: str, default=None):
         if name not in self:
-            inner = _Store(self.accumulate, self.root) if isinstance(default, dict) else default
+            inner = _Store(self.accumulate) if isinstance(default, dict) else default
             super().__setitem__(name, inner)
         return self[name]
 

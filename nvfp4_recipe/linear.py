@@ -284,8 +284,9 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
     def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
         """Record the NVFP4 operands of this step's GEMMs (:func:`layer.nvfp4_operands`) in
         ``self.captured`` (a :class:`Recording`): X, W and X^T now, dY and dY^T when the gradient
-        of ``y`` arrives. They are quantized again with the step's specs, signs and SR stream, so
-        they are the bits the GEMMs used."""
+        of ``y`` arrives (X^T, dY and dY^T only where autograd records the call: not on a no-grad
+        eval step). They are quantized again with the step's specs, signs and SR stream, so they
+        are the bits the GEMMs used."""
         be, rec = get_backend(backend, x2.device), self.captured
         signs, r, names = self.rht_signs, self.recipe, nvfp4_operands(self.recipe)
         x2 = x2.detach()
@@ -296,7 +297,8 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             if "w" in names:
                 rec.store.update(w=keep(self.fprop_weight().detach(), fwd.w.rowwise),
                                  x=keep(x2, fwd.x.rowwise))
-            if "xt" in names and x2.shape[0] % BLOCK == 0:  # X^T's blocks run along the tokens
+            # X^T only where the call makes it (wgrad: autograd records), its blocks along the tokens
+            if "xt" in names and y.requires_grad and x2.shape[0] % BLOCK == 0:
                 rec.store.update(xt=keep(x2.t(), fwd.x.columnwise))
         if y.requires_grad and "dy" in names:
             seed = sr_key(*self.sr_state())  # before backward advances it

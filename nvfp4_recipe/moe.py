@@ -178,7 +178,7 @@ class NVFP4Experts(NVFP4Module):
         """Record the operands of projection ``p``'s GEMMs in ``self.captured`` (a
         :class:`Recording`, under the projection's name): lists with one entry per expert
         (``"w"``) or per token group (``"x"``, ``"xt"`` now; ``"dy"``, ``"dyt"`` when the gradient
-        of ``y`` arrives), quantized again with the step's specs, signs and SR stream, so they
+        of ``y`` arrives; ``"xt"``, ``"dy"``, ``"dyt"`` only where autograd records the call), quantized again with the step's specs, signs and SR stream, so they
         hold the bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
         be, r, signs, rec = resolved(backend), self.recipe, self.rht_signs, self.captured
         names, bounds, layout = nvfp4_operands(r), group_bounds(offs), gemms.Grouped(offs)
@@ -199,7 +199,8 @@ class NVFP4Experts(NVFP4Module):
                 record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
                     expert_slice(wq, g), w.dtype, backend=backend)) for g in range(w.shape[0])]
             q = quantizers.TensorQuantizer(fwd.rowwise if "x" in names else None,
-                                           fwd.columnwise if "xt" in names else None)
+                                           fwd.columnwise if "xt" in names and y.requires_grad
+                                           else None)
             if q.rowwise or q.columnwise:
                 xq, xt, _ = layout.tokens(be, x, q)
                 if q.rowwise:
