@@ -164,7 +164,7 @@ def amax(x: torch.Tensor, scaling: Scaling) -> torch.Tensor:
 
     NaN and Inf propagate (spec item 9); a tensor (row) without elements has amax 0.
     """
-    per_token = Scaling(scaling) is Scaling.PER_TOKEN
+    per_token = scaling == Scaling.PER_TOKEN  # a str enum: "per_token" is accepted too
     if x.numel() == 0:
         return torch.zeros(x.shape[:-1] if per_token else (), dtype=torch.float32, device=x.device)
     a = x.float().abs()
@@ -392,7 +392,7 @@ def operand_amax(x: torch.Tensor, spec: QuantSpec,
 def expand_scale(scale: torch.Tensor, block: Block) -> torch.Tensor:
     """Block scales as one row per data row, float32: (…, M, K/16); 2d scales repeat 16 times."""
     s = scale.float()
-    return s.repeat_interleave(BLOCK, dim=-2) if Block(block) is Block.D2 else s
+    return s.repeat_interleave(BLOCK, dim=-2) if block == Block.D2 else s  # a str enum: "2d" too
 
 
 def dequantize_inner(op: NVFP4Operand) -> torch.Tensor:

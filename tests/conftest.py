@@ -21,6 +21,21 @@ import pytest  # noqa: E402
 from nvfp4_cases import KERNEL_DEVICE  # noqa: E402  (after TRITON_INTERPRET)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite on a GPU machine (``python -m pytest -q``, no paths given) runs on one
+    pytest-xdist worker per core: its time is Triton and Inductor compiling kernels for the GPU,
+    which one process does serially. ``-n 0`` runs it in one process; a run of chosen paths, or
+    with ``--pdb``, stays in one unless ``-n`` says otherwise. The workers compile in their own
+    process (one Inductor compile thread each) instead of each starting a pool of its own."""
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if (torch.cuda.is_available() and whole_suite and config.pluginmanager.hasplugin("xdist")
+            and config.option.numprocesses is None and not config.option.usepdb
+            and not hasattr(config, "workerinput")):
+        config.option.numprocesses = "auto"
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
 @pytest.fixture
 def device():
     """The device GPU tests run on; CPU tests do not use it."""

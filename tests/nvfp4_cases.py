@@ -48,6 +48,22 @@ def rand(shape, dtype=torch.bfloat16, device="cpu", seed=0):
     return x.to(dtype).to(device)
 
 
+def assert_fp32_products(got, pairs):
+    """``got`` (fp32 rows, concatenated) against the float64 products ``a @ b`` of ``pairs``, within
+    the error of fp32 accumulation in any order: gamma_K * (|a| @ |b|), gamma_K = K u / (1 - K u),
+    u = 2**-23 (Higham, eq. 3.4, with one ulp per addition for blocked or tensor-core sums;
+    tests/test_kernels_gemm.py). Rows no pair covers must be exact zeros."""
+    a64 = [(a.double(), b.double()) for a, b in pairs]
+    ref = torch.cat([a @ b for a, b in a64])
+    gamma = [a.shape[1] * 2.0**-23 / (1 - a.shape[1] * 2.0**-23) for a, _ in a64]
+    bound = torch.cat([g * (a.abs() @ b.abs()) for g, (a, b) in zip(gamma, a64)])
+    err = got.double()
+    err = torch.cat([err[:len(ref)] - ref, err[len(ref):]]).abs()
+    bound = torch.cat([bound, bound.new_zeros(err.shape[0] - len(ref), *bound.shape[1:])])
+    worst = (err / (bound + 1e-300)).max().item()
+    assert worst <= 1.0, f"error exceeds the fp32 accumulation bound by a factor {worst:.3g}"
+
+
 def signs_for(seed=3):
     return R.random_signs(torch.Generator().manual_seed(seed))
 

@@ -47,7 +47,7 @@ def swizzle_scales(scale: torch.Tensor, block: Block) -> torch.Tensor:
     from torchao.prototype.mx_formats.utils import to_blocked  # a prototype: loaded when used
 
     s = scale.view(torch.uint8)
-    if Block(block) is Block.D2:
+    if block == Block.D2:  # a str enum: "2d" too
         s = s.repeat_interleave(BLOCK, dim=0)
     return to_blocked(s).view(torch.float8_e4m3fn)
 
