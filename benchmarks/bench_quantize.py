@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_gbps, environment, gbps, markdown_table, median_ms, write_json  # noqa: E402
-from nvfp4_recipe import NVFP4Tensor  # noqa: E402
+from nvfp4_recipe import NVFP4Recipe, NVFP4Tensor  # noqa: E402
 from nvfp4_recipe import reference as R  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
@@ -153,7 +153,7 @@ def warm(procs: int) -> None:
 def warm_only(index: int, procs: int) -> None:
     """Compile (and autotune on a small input) the cases numbered index mod procs; the last
     process also compiles torchao's peer at the benchmark shapes (torch.compile specializes)."""
-    signs = R.random_signs().cuda()
+    signs = NVFP4Recipe().signs().cuda()
     cs = cases(torch.randn(256, SHAPES[0][1], device="cuda", dtype=torch.bfloat16), signs)
     for i, (_, _, fn, _) in enumerate(cs):
         if i % procs == index:
@@ -186,7 +186,7 @@ def main():
     for m, k in args.shapes:
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        signs = R.random_signs().cuda()
+        signs = NVFP4Recipe().signs().cuda()
         check(x, signs)
         cs = cases(x, signs)
         if not args.no_torchao:

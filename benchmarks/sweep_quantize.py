@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_gbps, median_ms, write_json  # noqa: E402
-from nvfp4_recipe import reference as R  # noqa: E402
+from nvfp4_recipe import NVFP4Recipe  # noqa: E402
 from nvfp4_recipe.kernels import amax as A  # noqa: E402
 from nvfp4_recipe.kernels import quantize as Q  # noqa: E402
 from nvfp4_recipe.kernels.quantize import amax_pass, quantize_1d, quantize_2d  # noqa: E402
@@ -95,7 +95,7 @@ def main():
     copy = copy_gbps()
     print(f"device-to-device copy: {copy:.0f} GB/s")
     rows = []
-    signs = R.random_signs().cuda()
+    signs = NVFP4Recipe().signs().cuda()
     for m, k in SHAPES + (SMALL_SHAPES if args.small else []):
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,6 @@ import torch
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-FP4_RANGE = E4M3_MAX * E2M1_MAX  # 2688: the encode scale maps the amax to it (S_enc = 2688 / amax)
 FLT_MAX = torch.finfo(torch.float32).max
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -23,12 +22,6 @@ _RN_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
 def _check_float(x: torch.Tensor) -> None:
     if x.dtype != torch.float32:
         raise TypeError(f"expected a float32 tensor, got {x.dtype}")
-
-
-def e2m1_values(device=None) -> torch.Tensor:
-    """The 16 E2M1 code values as a float32 tensor of shape (16,), indexed by code."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
-    return torch.cat([grid, -grid])
 
 
 def e2m1_encode_rn(v: torch.Tensor) -> torch.Tensor:

@@ -100,12 +100,6 @@ def hadamard16(device=None) -> torch.Tensor:
 DEFAULT_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
-def random_signs(generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """A random +-1 float32 vector of 16 for the RHT (CPU; move it where it is used)."""
-    bits = torch.randint(0, 2, (BLOCK,), generator=generator, device="cpu")
-    return (1 - 2 * bits).to(torch.float32)
-
-
 def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Random Hadamard transform on blocks of 16 along the last dimension (spec item 7).
 

@@ -64,8 +64,14 @@ def assert_fp32_products(got, pairs):
     assert worst <= 1.0, f"error exceeds the fp32 accumulation bound by a factor {worst:.3g}"
 
 
+def random_signs(generator=None) -> torch.Tensor:
+    """A random +-1 float32 vector of 16 RHT signs (CPU)."""
+    bits = torch.randint(0, 2, (16,), generator=generator, device="cpu")
+    return (1 - 2 * bits).to(torch.float32)
+
+
 def signs_for(seed=3):
-    return R.random_signs(torch.Generator().manual_seed(seed))
+    return random_signs(torch.Generator().manual_seed(seed))
 
 
 def assert_same(out: NVFP4Operand, ref: NVFP4Operand):

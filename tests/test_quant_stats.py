@@ -16,7 +16,7 @@ from nvfp4_recipe.inspect import COUNTS, _statistics, operand_counts
 from nvfp4_recipe.frozen import NVFP4FrozenLinear
 from nvfp4_recipe.recipe import SR_OFFSETS
 from nvfp4_recipe.spec import Block, FourOverSix, GemmRole, QuantSpec, Rounding
-from nvfp4_cases import rand
+from nvfp4_cases import rand, signs_for
 from test_moe import tiny_qwen3_moe
 
 OPERANDS = {"w", "x", "xt", "dy", "dyt"}
@@ -33,7 +33,7 @@ def test_counts_agree_with_tensor_stats(spec):
     """Flushed, saturated, zero block scales and the MSE equal tensor_stats' on the whole tensor
     (random magnitudes over 2**+-12: zero and subnormal block scales occur)."""
     x = rand((64, 128), seed=11)
-    signs = R.random_signs(torch.Generator().manual_seed(2)) if spec.rht else None
+    signs = signs_for(2) if spec.rht else None
     stats = _statistics(operand_counts(x, _q(x, spec, signs), max_rows=64), False)
     ref = nr.tensor_stats(x, spec, seed=5, rht_signs=signs)
     for key in ("flushed_to_zero", "saturated", "zero_scale_blocks"):

@@ -12,7 +12,7 @@ from nvfp4_recipe import reference as R
 from nvfp4_recipe.operand import NVFP4Operand
 from nvfp4_recipe.spec import Block, FourOverSix, Form, QuantSpec
 
-from nvfp4_cases import INTERPRETING
+from nvfp4_cases import INTERPRETING, signs_for
 from test_kernels_gemm import assert_matches_reference
 
 
@@ -382,7 +382,7 @@ def test_operand_and_spec_round_trip_through_from_operand():
     """from_operand reads the spec from the operand; ``spec`` and ``operand`` give it back whole
     (amax scale and 4/6 included), through views, slices and moves."""
     fos = FourOverSix("mse", 256, True)
-    x, signs = torch.randn(32, 64), R.random_signs(torch.Generator().manual_seed(1))
+    x, signs = torch.randn(32, 64), signs_for(1)
     for sp, rht_signs in ((QuantSpec(Block.D2, rounding="sr", amax_scale=1.25, four_over_six=fos), None),
                           (QuantSpec(scaling="per_token", rht=True), signs)):
         op = R.quantize(x, sp, seed=3, rht_signs=rht_signs)
@@ -400,7 +400,7 @@ def test_operand_and_spec_round_trip_through_from_operand():
 
 def test_from_operand_checks_form_and_signs():
     op = R.quantize(torch.randn(16, 32), QuantSpec(rht=True),
-                    rht_signs=R.random_signs(torch.Generator().manual_seed(1)))
+                    rht_signs=signs_for(1))
     with pytest.raises(ValueError, match="rht=True, but rht_signs is None"):
         NVFP4Tensor.from_operand(op, torch.float32)
     with pytest.raises(ValueError, match="rht=False, but rht_signs is given"):
