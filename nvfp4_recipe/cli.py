@@ -10,8 +10,8 @@ import sys
 from typing import Optional, Sequence
 
 from .spec import BackendName, enum_values
-from .train.config import (DESCRIPTIONS, EXIT_INTERRUPTED, EXIT_USAGE, MOE_EXPERTS, MOE_TOP_K, PROG,
-                           RECIPES, SEED_LIMIT)
+from .train.config import (DESCRIPTIONS, EXIT_INTERRUPTED, EXIT_USAGE, MODES, MOE_EXPERTS, MOE_TOP_K,
+                           PROG, RECIPES, SEED_LIMIT)
 from .train.presets import PRESETS
 from .version import package_version
 
@@ -122,11 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=enum_values(BackendName), default=BackendName.AUTO.value,
                      help="NVFP4Recipe.backend (auto: native on Blackwell, triton on other GPUs, "
                           "reference on CPU)")
-    run.add_argument("--mode", choices=("auto", "eager", "graph"), default="auto",
-                     help="how steps run: eager (the plain loop) or graph (the whole step captured "
+    run.add_argument("--mode", choices=("auto", *MODES), default="auto",
+                     help="how steps run: eager (the plain loop), graph (the whole step captured "
                           "in one CUDA graph and replayed: the same numbers without the host's kernel "
-                          "launch cost); auto = graph on CUDA in one process, eager elsewhere "
-                          "(default auto)")
+                          "launch cost) or compile (each transformer block compiled with "
+                          "torch.compile, as torchtitan does: Inductor fuses the bf16 arithmetic "
+                          "around the NVFP4 layers, so the losses match eager's to rounding, not bit "
+                          "for bit); auto = graph on CUDA in one process, compile on CUDA under "
+                          "torchrun, eager elsewhere (default auto)")
     run.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads of torch (torch.set_num_threads; default: the CPUs not busy, "
                           "those of this process less the 1-minute load average, at least 1 and at "

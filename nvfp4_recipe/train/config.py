@@ -77,7 +77,7 @@ class TrainConfig:
     eval_tokens: int = 16384      # validation tokens per pass
     seed: int = 0
     backend: str = "auto"         # NVFP4Recipe.backend
-    mode: str = "auto"            # "eager", "graph" (CUDA only) or "auto" (graph on CUDA)
+    mode: str = "auto"            # "eager", "graph" (CUDA only), "compile" or "auto" (step_mode)
     n_experts: int = 0            # > 0: MoE feed-forward layers of this many experts (--moe)
     top_k: int = 2                # experts per token
     quant_stats_every: int = 0    # > 0: inspect.QuantStats of the NVFP4 operands every this many steps
@@ -106,24 +106,26 @@ class TrainConfig:
             raise ValueError(f"--mode must be 'auto' or one of {MODES}, got {self.mode!r}")
 
     def step_mode(self, device: "torch.device", data_parallel: bool = False) -> str:
-        """The mode steps run in on ``device``: for "auto", "graph" on CUDA in one process (dense
-        and MoE: the routing's group sizes stay on the device) and "eager" otherwise (under
-        torchrun DDP's gradient all-reduce is driven by host-side hooks, which a captured graph
-        would not replay).
+        """The mode steps run in on ``device``. "auto": "graph" on CUDA in one process (dense and
+        MoE: the routing's group sizes stay on the device), "compile" on CUDA under torchrun (DDP's
+        gradient all-reduce is driven by host-side hooks, which a captured graph would not replay;
+        compiled blocks keep the hooks and cut the host's launches), "eager" elsewhere.
 
         Raises:
             ValueError: "graph" on a device other than CUDA or with data parallelism.
         """
         if self.mode == "auto":
-            return "graph" if device.type == "cuda" and not data_parallel else "eager"
+            if device.type != "cuda":
+                return "eager"
+            return "compile" if data_parallel else "graph"
         if self.mode == "graph" and device.type != "cuda":
             raise ValueError(f"--mode graph needs a CUDA device (CUDA graphs), got {device}")
         if self.mode == "graph" and data_parallel:
-            raise ValueError("--mode graph runs one process; under torchrun use --mode eager or auto")
+            raise ValueError("--mode graph runs one process; under torchrun use --mode compile, eager or auto")
         return self.mode
 
 
-MODES = ("eager", "graph")
+MODES = ("eager", "graph", "compile")
 
 
 BASELINE = "bf16"

@@ -1,11 +1,13 @@
 """One training run: build the model, apply a recipe, train with AdamW, evaluate on held-out files.
 
-Steps run in one of two modes that compute the same bits (``config.MODES``): ``eager``, the plain
-loop, and ``graph``, the whole step (forward, backward, gradient clipping, AdamW) captured once in a
-CUDA graph and replayed, which removes the host's launch cost of the many small kernels (NVFP4
-quantization passes in particular). Both use AdamW with ``capturable=True`` and the learning rate as
-a device tensor set before every step, so that the captured and the eager step are the same
-computation.
+Steps run in one of three modes (``config.MODES``): ``eager``, the plain loop; ``graph``, the whole
+step (forward, backward, gradient clipping, AdamW) captured once in a CUDA graph and replayed, which
+removes the host's launch cost of the many small kernels (NVFP4 quantization passes in particular);
+``compile``, each repeated block compiled by torch.compile (``blocks.repeated_blocks``, as
+torchtitan compiles per block), which also works under DDP. ``eager`` and ``graph`` compute the same
+bits: both use AdamW with ``capturable=True`` and the learning rate as a device tensor set before
+every step. ``compile`` runs the same NVFP4 kernels on inputs that Inductor's fused bf16 arithmetic
+may round differently, so its losses match eager's to rounding.
 """
 
 import math
@@ -18,6 +20,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
+from ..blocks import repeated_blocks
 from ..inspect import QuantStats
 from ..layer import NVFP4Module
 from .config import TrainConfig
@@ -39,7 +42,7 @@ class RunResult:
     train_loss: float               # mean over the last tenth of the steps
     val_loss: float                 # on the validation windows after the last step
     tokens_per_s: float             # training steps only, after the first few (JIT warm-up)
-    mode: str                       # the step mode, "eager" or "graph"
+    mode: str                       # the step mode: "eager", "graph" or "compile"
     peak_memory_bytes: Optional[int]  # CUDA peak allocated; None on CPU
     wall_s: float
     seed: int = 0                   # TrainConfig.seed of the run (init, data order, SR streams)
@@ -174,7 +177,8 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
             "ok" (``--export``).
     Returns:
         :class:`RunResult`; a non-finite training loss stops the run early with status saying so.
-        The step mode (``cfg.step_mode``) changes the speed, never the numbers.
+        The step mode (``cfg.step_mode``) changes the speed; "eager" and "graph" give the same
+        numbers, "compile" the same to rounding.
     Raises:
         KeyboardInterrupt: passed on, after closing the progress bar.
         ValueError: ``cfg.mode`` is "graph" on a device without CUDA graphs.
@@ -187,6 +191,9 @@ def train_run(recipe: str, cfg: TrainConfig, batches: Batches, device: torch.dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg, recipe, device)
+    if mode == "compile":
+        for _, block in repeated_blocks(model):
+            block.compile()
     if parallel is not None:
         model = parallel.wrap(model)
     evaluated = model.module if parallel is not None else model  # no DDP hooks in evaluation
