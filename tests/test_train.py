@@ -353,6 +353,54 @@ def test_seeds_train_each_recipe_per_seed_and_table_the_mean_and_std(tmp_path, m
     assert "| bf16 (seed 5)" in out
 
 
+@pytest.mark.skipif(not _nvfp4_available(), reason="needs the NVFP4 layers")
+def test_every_recipe_trains_on_the_tiny_preset(tmp_path):
+    from nvfp4_recipe.train.config import RECIPES
+    status, results = _train(tmp_path, "--recipes", *RECIPES, "--steps", "4", "--eval-every", "4")
+    assert status == 0 and [r["recipe"] for r in results["runs"]] == list(RECIPES)
+    for run in results["runs"]:
+        assert run["status"] == "ok" and math.isfinite(run["val_loss"]), run["recipe"]
+        assert run["val_loss"] < run["val_curve"][0][1]
+
+
+def _paired_run(recipe, cfg, batches, device, dtype, progress=True, parallel=None, on_trained=None):
+    """Stands in for loop.train_run: validation losses with a seed effect every recipe shares and
+    recipe effects that differ from nvfp4's by known amounts per seed."""
+    seed_effect = {0: 0.0, 1: 0.5, 2: -0.3, 3: 0.2}[cfg.seed]
+    val = {"bf16": 3.0, "nvfp4": 3.06, "nvfp4-no-sr": 3.06 + 0.003 * (cfg.seed + 1)}[recipe] + seed_effect
+    return RunResult(recipe, "ok", steps=2, params=1, quantized="0/1", train_loss=val, val_loss=val,
+                     mode="eager", tokens_per_s=1.0, peak_memory_bytes=None, wall_s=0.1,
+                     seed=cfg.seed, train_curve=[4.0, val], val_curve=[[0, 5.5], [2, val]])
+
+
+def test_paired_differences_to_nvfp4_with_their_95_percent_interval(tmp_path, monkeypatch, capsys):
+    """Per seed s the no-SR run's gap minus nvfp4's gap is (v_nosr - v_nvfp4) / v_bf16 =
+    0.003 (s + 1) / (3 + seed effect): the table, results.json and gaps.png give their mean and
+    t-interval (t 0.975 with 3 degrees of freedom: 3.182)."""
+    monkeypatch.setattr(job, "train_run", _paired_run)
+    status, results = _train(tmp_path, "--recipes", "bf16", "nvfp4", "nvfp4-no-sr", "--seeds", "4")
+    assert status == 0
+    base = {s: 3.0 + e for s, e in {0: 0.0, 1: 0.5, 2: -0.3, 3: 0.2}.items()}
+    d = [100 * 0.003 * (s + 1) / base[s] for s in range(4)]
+    mean = sum(d) / 4
+    half = 3.182 * math.sqrt(sum((x - mean) ** 2 for x in d) / 3) / 2
+    paired = results["paired_to_nvfp4"]
+    assert list(paired) == ["nvfp4-no-sr"]
+    got = paired["nvfp4-no-sr"]
+    assert got["n"] == 4 and got["per_seed"] == {str(s): pytest.approx(d[s]) for s in range(4)}
+    assert got["mean"] == pytest.approx(mean) and got["half_width"] == pytest.approx(half)
+    assert f"| nvfp4-no-sr | 4     | {mean:+.2f} +- {half:.2f} pp " in capsys.readouterr().out
+    assert (tmp_path / "out" / "gaps.png").exists() == _has_matplotlib()
+
+
+def test_t_quantiles_of_the_interval():
+    from nvfp4_recipe.train.report import interval, t975
+    assert t975(1) == 12.706 and t975(30) == 2.042
+    assert abs(t975(31) - 2.0395) < 1e-4 and abs(t975(120) - 1.9799) < 1e-4  # tables: 2.0395, 1.9799
+    assert interval([1.0]).n == 1 and math.isnan(interval([1.0]).half_width)
+    assert interval([1.0, 3.0]) == (2, 2.0, pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2)))
+
+
 def test_split_seed_lets_one_seed_of_a_study_run_alone(tmp_path):
     """--seed 1 --split-seed 0 is the seed-1 run of --seed 0 --seeds 2: same files, same loss."""
     _, study = _train(tmp_path / "study", "--recipes", "bf16", "--seeds", "2", "--steps", "6")
@@ -381,7 +429,8 @@ def test_quant_stats_are_recorded_in_results_and_plotted(tmp_path):
     assert (tmp_path / "out" / "quant_stats.png").exists() == _has_matplotlib()
 
 
-@pytest.mark.parametrize("name", ["nvfp4-4over6", "nvfp4-4over6-all", "nvfp4-tail", "nvfp4-bwd-hp",
+@pytest.mark.parametrize("name", ["nvfp4-4over6", "nvfp4-4over6-all", "nvfp4-tail", "nvfp4-fwd-only",
+                                  "nvfp4-bwd-only", "nvfp4-fwd-only-1d-weights", "nvfp4-fwd-only-4over6",
                                   "nvfp4-4over6-tail"])
 def test_the_recipes_of_the_field_are_in_the_table(name):
     from nvfp4_recipe.train.recipes import make_recipe

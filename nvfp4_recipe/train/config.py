@@ -129,6 +129,7 @@ MODES = ("eager", "graph", "compile")
 
 
 BASELINE = "bf16"
+PAIRED_REFERENCE = "nvfp4"  # the recipe the others' gaps are compared with, seed by seed
 KEEP_HIGH_PRECISION = ("lm_head",)
 TAIL = 0.15  # the share of the last blocks nvfp4-tail keeps in high precision (torchtitan's advice)
 
@@ -144,7 +145,10 @@ RECIPES: Dict[str, Optional[dict]] = {
     "nvfp4-4over6": {"four_over_six": "activations"},
     "nvfp4-4over6-all": {"four_over_six": "all"},
     "nvfp4-tail": {"keep_last_blocks": TAIL},
-    "nvfp4-bwd-hp": {"backward_override": "high_precision"},
+    "nvfp4-fwd-only": {"backward_override": "high_precision"},
+    "nvfp4-bwd-only": {"forward_override": "high_precision"},
+    "nvfp4-fwd-only-1d-weights": {"backward_override": "high_precision", "weight_2d": False},
+    "nvfp4-fwd-only-4over6": {"backward_override": "high_precision", "four_over_six": "activations"},
     "nvfp4-4over6-tail": {"four_over_six": "activations", "keep_last_blocks": TAIL},
 }
 
@@ -161,8 +165,13 @@ DESCRIPTIONS = {
     "nvfp4-4over6-all": "nvfp4 with 4/6 on every operand, the SR gradients too (four_over_six='all')",
     "nvfp4-tail": f"nvfp4 with the last {TAIL:.0%} of the transformer blocks (rounded up) in high "
                   f"precision (keep_last_blocks={TAIL})",
-    "nvfp4-bwd-hp": "nvfp4 forward, dgrad and wgrad in bf16 from the unquantized X and W "
-                    "(backward_override='high_precision')",
+    "nvfp4-fwd-only": "NVFP4 in fprop only: dgrad and wgrad in bf16 from the unquantized X and W "
+                      "(backward_override='high_precision')",
+    "nvfp4-bwd-only": "NVFP4 in dgrad and wgrad only: fprop in bf16 from the unquantized X and W "
+                      "(forward_override='high_precision')",
+    "nvfp4-fwd-only-1d-weights": "nvfp4-fwd-only with 1x16 weight blocks (weight_2d=False)",
+    "nvfp4-fwd-only-4over6": "nvfp4-fwd-only with 4/6 block scaling of the weights and activations "
+                             "(four_over_six='activations')",
     "nvfp4-4over6-tail": "nvfp4-4over6 and nvfp4-tail together",
 }
 

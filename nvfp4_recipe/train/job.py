@@ -30,7 +30,8 @@ from .model import TinyLM, count_params
 from .parallel import DataParallel
 from .presets import PRESETS, preset_config
 from .recipes import apply_recipe, make_recipe
-from .report import format_seed_table, format_table, plot_curves, plot_quant_stats, write_json
+from .report import (format_paired_table, format_seed_table, format_table, paired_differences,
+                     plot_curves, plot_gaps, plot_quant_stats, write_json)
 
 
 class UsageError(Exception):
@@ -124,8 +125,8 @@ def _hardware(device) -> str:
 
 
 def _write_outputs(out: str, meta: dict, results, final: bool) -> List[str]:
-    """Write results.json (always) and, when ``final``, loss_curves.png and (with recorded
-    quantization statistics) quant_stats.png; returns the plots' paths (none without a finished
+    """Write results.json (always) and, when ``final``, loss_curves.png, (with recorded
+    quantization statistics) quant_stats.png and (with several seeds) gaps.png; returns the plots' paths (none without a finished
     run, or with matplotlib missing: said on stderr)."""
     write_json(os.path.join(out, "results.json"), meta, results)
     if not (final and results):
@@ -139,9 +140,9 @@ def _write_outputs(out: str, meta: dict, results, final: bool) -> List[str]:
     cfg = meta["config"]
     title = (f"{_param_count(meta['params'])}-param byte-level LM, {cfg['steps']} steps x "
              f"{cfg['batch_size'] * cfg['seq_len']} tokens, {meta['hardware']}, {meta['precision']}")
-    paths = [os.path.join(out, "loss_curves.png"), os.path.join(out, "quant_stats.png")]
-    plot_curves(paths[0], results, title)
-    return paths if plot_quant_stats(paths[1], results, title) else paths[:1]
+    curves, stats, gaps = (os.path.join(out, name) for name in ("loss_curves.png", "quant_stats.png", "gaps.png"))
+    plot_curves(curves, results, title)
+    return [curves] + [p for p, plot in ((stats, plot_quant_stats), (gaps, plot_gaps)) if plot(p, results, title)]
 
 
 def _param_count(n: int) -> str:
@@ -380,6 +381,8 @@ def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, pr
         print("\n" + format_table(results))
         if args.seeds > 1:
             print("\n" + format_seed_table(results))
+        if args.seeds > 1 and paired_differences(results):
+            print("\n" + format_paired_table(results))
     print(f"\ntotal wall time {meta['wall_s']:.0f} s; wrote {os.path.join(out, 'results.json')}"
           + "".join(f" and {plot}" for plot in plots))
     if failed:

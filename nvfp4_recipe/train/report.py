@@ -3,10 +3,10 @@
 import json
 import math
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..inspect import plot_quant_stats as inspect_plot
-from .config import BASELINE
+from .config import BASELINE, PAIRED_REFERENCE
 from .loop import RunResult
 
 TABLE_HEADER = ("recipe", "steps", "train loss", "val loss (nats)", f"gap to {BASELINE}",
@@ -84,6 +84,83 @@ def format_seed_table(results: Sequence[RunResult]) -> str:
     return _markdown(rows)
 
 
+# Student's t 0.975 quantiles for 1-30 degrees of freedom (any statistics table).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """Student's t 0.975 quantile (two-sided 95%) for ``df`` >= 1 degrees of freedom: the table up
+    to 30, beyond it the Cornish-Fisher expansion around the normal quantile to 1/df^3 (Abramowitz
+    and Stegun 26.7.5; within 1e-4 of the exact quantile there)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+class Interval(NamedTuple):
+    """The mean of ``n`` values and the half-width of its 95% t-interval (NaN for n < 2)."""
+
+    n: int
+    mean: float
+    half_width: float
+
+
+def interval(values: Sequence[float]) -> Interval:
+    """:class:`Interval` of the finite ``values`` (mean +- t975(n-1) * s / sqrt(n))."""
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return Interval(0, float("nan"), float("nan"))
+    mean = sum(v) / len(v)
+    if len(v) < 2:
+        return Interval(1, mean, float("nan"))
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1))
+    return Interval(len(v), mean, t975(len(v) - 1) * std / math.sqrt(len(v)))
+
+
+def paired_differences(results: Sequence[RunResult], reference: str = PAIRED_REFERENCE,
+                       ) -> Dict[str, Dict[int, float]]:
+    """Per recipe other than the baseline and ``reference``: ``{seed: gap - reference's gap}`` in
+    percentage points, over the seeds where the recipe, ``reference`` and the baseline all
+    finished. Runs of one seed share the initialization, the data order and the file split, so
+    the difference leaves out what the seed does to every recipe alike (a paired comparison)."""
+    ok = {(r.recipe, r.seed): r for r in results if r.status == "ok"}
+    out: Dict[str, Dict[int, float]] = {}
+    for recipe in dict.fromkeys(r.recipe for r in results):
+        if recipe in (BASELINE, reference):
+            continue
+        diffs = {}
+        for (name, seed), r in ok.items():
+            ref = ok.get((reference, seed))
+            gap, ref_gap = _gap(r, results), ref and _gap(ref, results)
+            if name == recipe and gap is not None and ref_gap is not None:
+                diffs[seed] = 100 * (gap - ref_gap)
+        if diffs:
+            out[recipe] = diffs
+    return out
+
+
+def format_paired_table(results: Sequence[RunResult], reference: str = PAIRED_REFERENCE) -> str:
+    """A Markdown table, one row per recipe of :func:`paired_differences`: the seeds, and the mean
+    difference of its gap to the baseline from ``reference``'s, with its 95% t-interval."""
+    rows = [("recipe", "seeds", f"gap - {reference}'s gap (mean, 95% CI)")]
+    for recipe, diffs in paired_differences(results, reference).items():
+        iv = interval(list(diffs.values()))
+        ci = "" if not math.isfinite(iv.half_width) else f" +- {iv.half_width:.2f}"
+        rows.append((recipe, str(iv.n), f"{iv.mean:+.2f}{ci} pp"))
+    return _markdown(rows)
+
+
+def _paired_json(results: Sequence[RunResult]) -> Dict[str, dict]:
+    return {recipe: dict(interval(list(d.values()))._asdict(), per_seed=d)
+            for recipe, d in paired_differences(results).items()}
+
+
 def _finite(obj):
     """``obj`` with non-finite floats replaced by None (JSON has no NaN/Infinity)."""
     if isinstance(obj, float):
@@ -96,11 +173,15 @@ def _finite(obj):
 
 
 def write_json(path: str, meta: Dict, results: Sequence[RunResult]) -> None:
-    """Write ``meta`` plus the runs (each with its gap to the baseline) as JSON; NaN becomes null."""
+    """Write ``meta`` plus the runs (each with its gap to the baseline) and, per recipe, the paired
+    difference of its gap from ``PAIRED_REFERENCE``'s (:func:`paired_differences`: ``n``, ``mean``
+    and ``half_width`` of the 95% interval in percentage points, ``per_seed``) as JSON; NaN
+    becomes null."""
     runs = [dict(r.as_dict(), val_gap_to_baseline=_gap(r, results)) for r in results]
+    paired = {f"paired_to_{PAIRED_REFERENCE}": _paired_json(results)}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(_finite(dict(meta, runs=runs)), f, indent=1)
+        json.dump(_finite(dict(meta, **paired, runs=runs)), f, indent=1)
     os.replace(tmp, path)  # an interrupt never leaves a truncated file
 
 
@@ -160,6 +241,47 @@ def plot_curves(path: str, results: Sequence[RunResult], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_gaps(path: str, results: Sequence[RunResult], title: str) -> bool:
+    """PNG of two panels, one row per recipe: its validation-loss gap to the baseline (each seed a
+    dot, the mean with its 95% t-interval) and the paired difference of that gap from
+    ``PAIRED_REFERENCE``'s (:func:`paired_differences`). Returns False (and writes nothing) with
+    fewer than two seeds of a recipe besides the baseline."""
+    gaps: Dict[str, List[float]] = {}
+    for r in results:
+        gap = _gap(r, results)
+        if r.recipe != BASELINE and r.status == "ok" and gap is not None:
+            gaps.setdefault(r.recipe, []).append(100 * gap)
+    if not any(len(v) > 1 for v in gaps.values()):
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paired = paired_differences(results)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.45 * len(gaps)), sharey=True)
+    for ax, data, xlabel in ((axes[0], gaps, f"gap to {BASELINE} (%)"),
+                             (axes[1], {k: list(v.values()) for k, v in paired.items()},
+                              f"gap - {PAIRED_REFERENCE}'s gap, same seed (percentage points)")):
+        for row, recipe in enumerate(gaps):
+            values = data.get(recipe, [])
+            if not values:
+                continue
+            iv = interval(values)
+            ax.plot(values, [row] * len(values), "o", color="gray", alpha=0.5, ms=4)
+            ax.errorbar([iv.mean], [row], xerr=[[iv.half_width if iv.n > 1 else 0]], fmt="D",
+                        color="C0", capsize=4)
+        ax.axvline(0, color="gray", lw=0.8)
+        ax.set(xlabel=xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_yticks(range(len(gaps)), list(gaps))
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{title}\nmean and 95% t-interval over seeds (dots: seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def plot_quant_stats(path: str, results: Sequence[RunResult], title: str) -> bool:
