@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "split stays --seed's); the table adds the mean and standard deviation of "
                           "each recipe's validation loss and gap (default 1)")
     run = p.add_argument_group("execution and output")
+    run.add_argument("--workers", type=int, default=1, metavar="N",
+                     help="spread the runs over N processes, one GPU each (cuda:0 ... cuda:N-1; on "
+                          "the CPU they share the cores), and report them in one table: a study "
+                          "of several recipes and seeds on a node in one command (default 1)")
     run.add_argument("--device", default="auto",
                      help="torch device; auto = cuda if available, else cpu (default auto)")
     run.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",

@@ -401,6 +401,35 @@ def test_t_quantiles_of_the_interval():
     assert interval([1.0, 3.0]) == (2, 2.0, pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2)))
 
 
+@pytest.mark.skipif(not _nvfp4_available(), reason="needs the NVFP4 layers")
+def test_workers_spread_the_runs_and_give_the_sequential_numbers(tmp_path, capsys):
+    """--workers 2 trains the four runs in two spawned processes (on the CPU here; one GPU each
+    on a GPU machine) and reports them in the runs' order with the numbers of one process: the
+    same device, thread count and seeds give the same bits."""
+    args = ("--recipes", "bf16", "nvfp4", "--seeds", "2", "--steps", "6", "--eval-every", "3",
+            "--threads", "1")
+    status, spread = _train(tmp_path / "spread", *args, "--workers", "2")
+    assert status == 0 and spread["workers"] == 2
+    status, one = _train(tmp_path / "one", *args)
+    assert status == 0
+    key = lambda r: (r["recipe"], r["seed"], r["val_curve"], r["train_curve"])
+    assert [key(r) for r in spread["runs"]] == [key(r) for r in one["runs"]]
+    assert "paired_to_nvfp4" in spread
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--workers", "0"), "--workers must be >= 1, got 0"),
+    (("--workers", "2", "--device", "cuda:1"), None),
+])
+def test_bad_workers_are_refused(tmp_path, capsys, extra, message):
+    if message is None and not torch.cuda.is_available():
+        message = "CUDA is not available"
+    elif message is None:
+        message = "pass --device cuda, not cuda:1"
+    status, _ = _train(tmp_path, "--recipes", "bf16", *extra)
+    assert status == 2 and message in capsys.readouterr().err
+
+
 def test_split_seed_lets_one_seed_of_a_study_run_alone(tmp_path):
     """--seed 1 --split-seed 0 is the seed-1 run of --seed 0 --seeds 2: same files, same loss."""
     _, study = _train(tmp_path / "study", "--recipes", "bf16", "--seeds", "2", "--steps", "6")

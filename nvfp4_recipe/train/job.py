@@ -9,11 +9,13 @@ trains data-parallel (``parallel.py``); rank 0 reports.
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import platform
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
 from typing import List, Optional, Sequence
 
@@ -256,6 +258,7 @@ def _prepare(args):
         parallel.check_batch(cfg.batch_size)
         device = parallel.device
     cfg.step_mode(device, parallel is not None)  # --mode graph needs CUDA and one process
+    _check_workers(args.workers, device, parallel is not None)
     recipes = [make_recipe(name, cfg.seed, cfg.backend) for name in args.recipes]  # validates them
     if any(r is not None for r in recipes):
         get_backend(cfg.backend, device)  # raises for a backend that cannot run on the device
@@ -263,10 +266,30 @@ def _prepare(args):
     out = args.out or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if parallel is None or parallel.is_main:  # rank 0 writes (a failure there stops torchrun)
         _check_out(out, args.overwrite)
+    corpus, batches = _data(args, cfg, max_bytes)
+    return cfg, corpus, batches, device, dtype, precision, out, parallel
+
+
+def _check_workers(workers: int, device, data_parallel: bool) -> None:
+    """Raises ValueError for a --workers count this run cannot have."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and data_parallel:
+        raise ValueError("--workers spreads whole runs over processes; under torchrun each run is "
+                         "already data parallel: use one or the other")
+    if workers > 1 and device.type == "cuda" and device.index is not None:
+        raise ValueError(f"--workers {workers} puts worker i on cuda:i; pass --device cuda, not {device}")
+    if device.type == "cuda" and workers > torch.cuda.device_count():
+        raise ValueError(f"--workers {workers}: one GPU a worker, and this machine has "
+                         f"{torch.cuda.device_count()}")
+
+
+def _data(args, cfg, max_bytes: Optional[int]):
+    """(corpus, batches): the files split by ``--split-seed`` (else ``--seed``), batches seeded by
+    ``cfg.seed`` (each run re-seeds them with its own)."""
     split_seed = cfg.seed if args.split_seed is None else args.split_seed
     corpus = D.load_corpus(args.data, not args.no_stdlib, args.val_fraction, split_seed, max_bytes)
-    batches = D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
-    return cfg, corpus, batches, device, dtype, precision, out, parallel
+    return corpus, D.Batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed)
 
 
 def _meta(args, argv: Sequence[str], cfg, corpus, device, precision: str, processes: int) -> dict:
@@ -328,6 +351,58 @@ def _runs(args, cfg):
     return [(name, replace(cfg, seed=cfg.seed + i)) for i in range(args.seeds) for name in args.recipes]
 
 
+def _run(args, name: str, run_cfg, batches, device, dtype, parallel=None, progress=None):
+    """One run of the job: (RunResult, the labels whose --export failed)."""
+    failed: List[str] = []
+    label = _run_label(name, run_cfg, args.seeds)
+    result = train_run(name, run_cfg, batches, device, dtype,
+                       progress=not args.no_progress if progress is None else progress,
+                       parallel=parallel, on_trained=_exporter(
+                           args.export, name, label, run_cfg, batches, device, dtype, failed))
+    return result, failed
+
+
+# A --workers process's device, batches and autocast dtype (set once by _start_worker).
+_WORKER: dict = {}
+
+
+def _start_worker(args, devices, threads: int) -> None:
+    """Initializer of a --workers process: the next device of the queue ``devices``, ``threads``
+    CPU threads, the data and the precision, once for all its runs."""
+    device = devices.get()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads)
+    cfg, max_bytes = _config_from_args(args)
+    _WORKER.update(args=args, device=device, batches=_data(args, cfg, max_bytes)[1],
+                   dtype=_precision(args.precision, device)[0])
+
+
+def _worker_run(index: int, name: str, run_cfg):
+    w = _WORKER
+    return (index, *_run(w["args"], name, run_cfg, w["batches"], w["device"], w["dtype"], progress=False))
+
+
+def _spread(args, runs, device):
+    """The runs on ``args.workers`` processes (spawned), each on its own GPU (cuda:0, cuda:1, ...)
+    or, on the CPU, sharing the cores (``--threads`` each, else an equal share of the idle ones);
+    yields (index into ``runs``, RunResult, failed exports) as runs finish."""
+    ctx = multiprocessing.get_context("spawn")
+    devices = ctx.Queue()
+    for i in range(args.workers):
+        devices.put(torch.device("cuda", i) if device.type == "cuda" else device)
+    threads = args.threads or max(1, idle_threads(os.cpu_count() or 1) // args.workers)
+    with ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_start_worker,
+                             initargs=(args, devices, threads)) as pool:
+        futures = [pool.submit(_worker_run, i, name, run_cfg) for i, (name, run_cfg) in enumerate(runs)]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def _run_label(name: str, cfg, seeds: int) -> str:
     return name if seeds == 1 else f"{name}-seed{cfg.seed}"
 
@@ -358,23 +433,30 @@ def _train_and_report(args, argv, start, cfg, corpus, batches, device, dtype, pr
     """The runs of :func:`train_command` with the header, the table and the outputs (rank 0)."""
     meta = _meta(args, argv, cfg, corpus, device, precision, 1 if parallel is None else parallel.world)
     _print_header(cfg, corpus, meta, args.recipes)
-    results, status, runs, failed = [], 0, _runs(args, cfg), []
+    runs, failed, done = _runs(args, cfg), [], {}
+    status = 0
+    results: List = []
+    if args.workers > 1:
+        meta["workers"] = args.workers
+        finished = _spread(args, runs, device)
+    else:
+        finished = ((i, *_run(args, name, run_cfg, batches, device, dtype, parallel))
+                    for i, (name, run_cfg) in enumerate(runs))
     try:
-        for name, run_cfg in runs:
-            label = _run_label(name, run_cfg, args.seeds)
-            result = train_run(name, run_cfg, batches, device, dtype, progress=not args.no_progress,
-                               parallel=parallel, on_trained=_exporter(
-                                   args.export, name, label, run_cfg, batches, device, dtype, failed))
-            results.append(result)
-            print(f"{label}: {result.status}, {result.quantized}, val loss {result.val_loss:.4f} "
-                  f"nats, {result.wall_s:.0f} s, {result.mode} steps", flush=True)
+        for index, result, run_failed in finished:
+            done[index] = result
+            failed += run_failed
+            results = [done[i] for i in sorted(done)]  # in the order of the runs
+            print(f"{_run_label(*runs[index], args.seeds)}: {result.status}, {result.quantized}, "
+                  f"val loss {result.val_loss:.4f} nats, {result.wall_s:.0f} s, {result.mode} steps",
+                  flush=True)
             _write_outputs(out, dict(meta, wall_s=time.perf_counter() - start), results, final=False)
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED
-        current = _run_label(*runs[len(results)], args.seeds)
-        meta["interrupted"] = f"during run {current!r}"
-        print(f"\ninterrupted during {current!r}; keeping the {len(results)} finished run(s)",
-              file=sys.stderr)
+        current = [_run_label(*run, args.seeds) for i, run in enumerate(runs) if i not in done]
+        meta["interrupted"] = f"during run {current[0]!r}"
+        print(f"\ninterrupted during {', '.join(map(repr, current[:max(1, args.workers)]))}; keeping "
+              f"the {len(results)} finished run(s)", file=sys.stderr)
     meta["wall_s"] = time.perf_counter() - start
     plots = _write_outputs(out, meta, results, final=True)
     if results:
