@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_gbps, median_ms  # noqa: E402
 from fused_gemm import FUSED_CONFIG, fused_mm  # noqa: E402
-from nvfp4_recipe.kernels import gemm as G  # noqa: E402
+from nvfp4_recipe.kernels import gemm  # noqa: E402
 from nvfp4_recipe.kernels import dequantize as D  # noqa: E402
 from nvfp4_recipe.operand import NVFP4Operand  # noqa: E402
 
@@ -118,13 +118,15 @@ def torchao_peer(m, k, n, device):
 def two_pass_triton(a, b, cfg):
     """The "triton" method with a given GEMM config (bf16 output)."""
     a16, b16 = inner_pair(a, b)
-    return G.triton_mm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16, cfg)
+    return gemm.triton_mm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16, cfg)
 
 
 def compiled_triton(a, b, cfg):
     """The compiled TMA GEMM that :func:`two_pass_triton` launched with ``cfg``."""
     a16, b16 = inner_pair(a, b)
-    return G.compiled_gemm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16, cfg)
+    _, _, args, kwargs = gemm._gemm_launch(a16, a.outer_scale, b16, b.outer_scale, None,
+                                           torch.bfloat16, cfg)
+    return gemm._GEMM.compiled(*args, **kwargs)
 
 
 def rel_error(out, ref) -> float:
@@ -150,7 +152,7 @@ def bench_shape(m, k, n, device, quick, sass):
     row("torchao emulation", torchao_peer(m, k, n, device), check=False)
     kernels = {}
     for method, sweep, default in (("fused", FUSED_SWEEP, FUSED_CONFIG),
-                                   ("triton", GEMM_SWEEP, G.gemm_config(k, torch.bfloat16))):
+                                   ("triton", GEMM_SWEEP, gemm.gemm_config(k, torch.bfloat16))):
         for cfg in ((default,) if quick else sweep):
             if method == "fused":
                 def fn(cfg=cfg):
@@ -169,27 +171,28 @@ def bench_shape(m, k, n, device, quick, sass):
                 continue
             if cfg == default and method not in sass and device.type == "cuda":
                 sass[method] = sass_summary(kernels.get(method) or compiled_triton(a, b, cfg))
-    row("cublas", lambda: G.scaled_mm(a, b, method="cublas"))
+    row("cublas", lambda: gemm.scaled_mm(a, b, method="cublas"))
     row("dequant + bf16 mm + scale (2 roundings)",
         lambda: (torch.mm(D.dequantize_inner(a), D.dequantize_inner(b).t()) * scale).to(torch.bfloat16))
     at = a._replace(outer_scale=a.outer_scale.expand(m).contiguous())
     bt = b._replace(outer_scale=b.outer_scale.expand(n).contiguous())
     bias = torch.randn(n, device=device, dtype=torch.bfloat16)
     ref_tok = ref + bias.float()
-    err = rel_error(G.scaled_mm(at, bt, bias=bias), ref_tok)
-    ms = bench_ms(lambda: G.scaled_mm(at, bt, bias=bias))
+    err = rel_error(gemm.scaled_mm(at, bt, bias=bias), ref_tok)
+    ms = bench_ms(lambda: gemm.scaled_mm(at, bt, bias=bias))
     rows.append(dict(variant="auto, per-token scales + bias", ms=ms, tflops=flop / ms / 1e9, rel_err=err))
-    row("auto, fp32 output", lambda: G.scaled_mm(a, b, out_dtype=torch.float32))
+    row("auto, fp32 output", lambda: gemm.scaled_mm(a, b, out_dtype=torch.float32))
     a16, b16 = inner_pair(a, b)
-    c = G.mm_f32(a16, b16)
+    c = gemm.mm_f32(a16, b16)
     deq_bytes = (m + n) * k * (0.5 + 1 / 16 + 2)
     for cfg in ((D.DEQUANT_CONFIG,) if quick else DEQUANT_SWEEP):
         deq_ms = bench_ms(lambda: inner_pair(a, b, cfg))
         tag = f"{cfg['BR']}x{cfg['BK']} w{cfg['num_warps']}" + (" *" if cfg == D.DEQUANT_CONFIG else "")
         rows.append(dict(variant="  dequantize A and B (fp16)", config=tag, ms=deq_ms,
                          gbps=deq_bytes / deq_ms / 1e6))
-    rows.append(dict(variant="  cuBLAS fp16 -> fp32", ms=bench_ms(lambda: G.mm_f32(a16, b16))))
-    epi_ms = bench_ms(lambda: G.apply_epilogue(c, a.outer_scale, b.outer_scale, None, torch.bfloat16))
+    rows.append(dict(variant="  cuBLAS fp16 -> fp32", ms=bench_ms(lambda: gemm.mm_f32(a16, b16))))
+    epi_ms = bench_ms(lambda: gemm.apply_epilogue(c, a.outer_scale, b.outer_scale, None,
+                                                  torch.bfloat16))
     rows.append(dict(variant="  epilogue fp32 -> bf16", ms=epi_ms, gbps=6 * m * n / epi_ms / 1e6))
     row("bf16 torch.mm (again)", lambda: torch.mm(a_bf, b_bf.t()), check=False)
     base = rows[0]["tflops"]

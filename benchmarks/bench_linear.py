@@ -118,7 +118,7 @@ def run_shape(m: int, k: int, n: int) -> dict:
                                         "peak_bytes": peak_memory(fwd_bwd(ref, x, dy)),
                                         **saved_split(ref, x)}}
     for name, recipe in RECIPES.items():
-        layer = NVFP4Linear.from_linear(nn.Linear(k, n, device="cuda"), recipe)
+        layer = NVFP4Linear.from_module(nn.Linear(k, n, device="cuda"), recipe)
         step = fwd_bwd(layer, x, dy)
         ms = bench(step)
         out[name] = {"ms": ms, "ratio_to_bf16": ms / out["bf16"]["ms"],
@@ -169,7 +169,7 @@ def host_times(size: int = 256, profile: bool = False, rounds_: int = 9) -> dict
     x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     bf16 = nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
-    nvfp4 = NVFP4Linear.from_linear(nn.Linear(size, size, device="cuda"), RECIPES["default"])
+    nvfp4 = NVFP4Linear.from_module(nn.Linear(size, size, device="cuda"), RECIPES["default"])
     # rounds alternate between the layers, medians: the host's times move by tens of percent
     # between rounds as the OS places the main and autograd threads on cores
     rounds = {"bf16": [], "nvfp4": []}
@@ -197,7 +197,7 @@ def eval_times(shape: str) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     linear = nn.Linear(k, n, device="cuda")
     bf16 = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-    layer = NVFP4Linear.from_linear(linear, RECIPES["default"])
+    layer = NVFP4Linear.from_module(linear, RECIPES["default"])
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         times = {"bf16": bench(lambda: bf16(x)), "nvfp4": bench(lambda: layer(x))}
         uncached = layer(x)

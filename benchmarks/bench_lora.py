@@ -37,7 +37,7 @@ def base_layer(kind: str, k: int, n: int, device) -> nn.Module:
     nn.init.normal_(linear.weight, std=0.02)
     if kind == "bf16":
         return linear.requires_grad_(False)
-    op, _ = fprop_weight_1x16(NVFP4Linear.from_linear(linear, NVFP4Recipe()))
+    op, _ = fprop_weight_1x16(NVFP4Linear.from_module(linear, NVFP4Recipe()))
     gemm = "bf16" if kind == "nvfp4-bf16gemm" else "nvfp4"
     return NVFP4FrozenLinear(op.qdata, op.scale, op.outer_scale, dtype=torch.bfloat16, gemm=gemm)
 

@@ -18,7 +18,7 @@ Shape: G experts x tokens per expert, one grouped linear dim -> hidden (default 
 Prints a table and writes JSON. ``--tiny`` runs small shapes on the CPU (Triton interpreter, a
 perf_counter loop instead of ``do_bench``): a smoke test of the script, not a measurement.
 ``--sweep`` also times the three grouped GEMMs under a few tile configs (for tuning
-``kernels.grouped.GROUPED_GEMM_CONFIG``).
+``kernels.grouped_gemm.GROUPED_GEMM_CONFIG``).
 
     python benchmarks/bench_moe.py [--experts 8] [--tokens 2048] [--dim 4096] [--hidden 14336]
                                    [--json bench_moe.json] [--sweep] [--tiny]
@@ -68,7 +68,7 @@ def run(args) -> dict:
     import torch
     from nvfp4_recipe import NVFP4Recipe, moe
     from nvfp4_recipe.backends import get_backend
-    from nvfp4_recipe.kernels import grouped as KG
+    from nvfp4_recipe.kernels import grouped_gemm
     from nvfp4_recipe.recipe import SR_OFFSETS
     from nvfp4_recipe.spec import GemmRole
 
@@ -114,12 +114,10 @@ def run(args) -> dict:
                                   col_offset=SR_OFFSETS[GemmRole.DY_WGRAD], signs=signs,
                                   transient=(True, True), prepare=wt)
     (xq, xt, _), (dyq, dyt, wt_in) = x_pair(), dy_pair()
-    gemms = {"fprop GEMM": lambda cfg=None: KG.grouped_scaled_mm(xq, wq, out_dtype=torch.bfloat16,
-                                                                  cfg=cfg),
-             "dgrad GEMM": lambda cfg=None: KG.grouped_scaled_mm(dyq, wt_in, out_dtype=torch.bfloat16,
-                                                                  cfg=cfg),
-             "wgrad GEMM": lambda cfg=None: KG.grouped_scaled_mm(dyt, xt, out_dtype=torch.float32,
-                                                                  cfg=cfg)}
+    mm = grouped_gemm.grouped_scaled_mm
+    gemms = {"fprop GEMM": lambda cfg=None: mm(xq, wq, out_dtype=torch.bfloat16, cfg=cfg),
+             "dgrad GEMM": lambda cfg=None: mm(dyq, wt_in, out_dtype=torch.bfloat16, cfg=cfg),
+             "wgrad GEMM": lambda cfg=None: mm(dyt, xt, out_dtype=torch.float32, cfg=cfg)}
     out["breakdown_ms"] = {
         "quantize W inner + W^T, per expert": bench(w_pair),
         "quantize X inner + X^T RHT": bench(x_pair),
@@ -163,7 +161,8 @@ def experts_module(g: int, tpe: int, dim: int, hidden: int, device, bench) -> di
 
 def quantize_bandwidth(x, dy, offs, spec, signs, seed, bench, device, tiny) -> dict:
     """GB/s and % of copy of the grouped amax and quantize passes (module docstring)."""
-    from nvfp4_recipe.kernels import grouped as KG
+    from nvfp4_recipe.kernels.grouped_amax import grouped_amax_pass
+    from nvfp4_recipe.kernels.grouped_quantize import quantize_grouped
     from nvfp4_recipe.spec import GemmRole
 
     copy = copy_gbps(device, tiny, bench)
@@ -178,12 +177,12 @@ def quantize_bandwidth(x, dy, offs, spec, signs, seed, bench, device, tiny) -> d
         n = t.numel()
         copy_bytes = lambda inner_: 2 * n if inner_ else n // 2 + n // 16
         write = copy_bytes(inner[0]) + copy_bytes(inner[1])
-        amaxes = KG.grouped_amax_pass(t, offs, r, c, signs)
+        amaxes = grouped_amax_pass(t, offs, r, c, signs)
         kw = dict(seed=seed if sr else 0, signs=signs, inner=inner)
-        passes = {"amax pass": (lambda: KG.grouped_amax_pass(t, offs, r, c, signs), 2 * n),
-                  "quantize pass": (lambda: KG.quantize_grouped(t, offs, r, c, amaxes=amaxes, **kw),
+        passes = {"amax pass": (lambda: grouped_amax_pass(t, offs, r, c, signs), 2 * n),
+                  "quantize pass": (lambda: quantize_grouped(t, offs, r, c, amaxes=amaxes, **kw),
                                     2 * n + write),
-                  "both": (lambda: KG.quantize_grouped(t, offs, r, c, **kw), 4 * n + write)}
+                  "both": (lambda: quantize_grouped(t, offs, r, c, **kw), 4 * n + write)}
         for what, (fn, nbytes) in passes.items():
             ms = bench(fn)
             gbps = nbytes / ms / 1e6

@@ -19,7 +19,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nvfp4_recipe.kernels.dequantize import _dequant_codes, _load_codes, check_codes  # noqa: E402
-from nvfp4_recipe.kernels.gemm import _epilogue, _epilogue_args, _kernel_out, _mma, _tile_pid  # noqa: E402
+from nvfp4_recipe.kernels.gemm import _epilogue_args, epilogue, kernel_out, mma, tile_pid  # noqa: E402
 from nvfp4_recipe.kernels.runtime import interpreting, ptx_dequant  # noqa: E402
 from nvfp4_recipe.spec import Block  # noqa: E402
 
@@ -50,7 +50,7 @@ def _fused_gemm_kernel(aq_ptr, as_ptr, bq_ptr, bs_ptr, sa_ptr, sb_ptr, bias_ptr,
     dequantization is :func:`_dequant_ptx`, else the portable :func:`_e2m1_to_f32` path.
     """
     H: tl.constexpr = BK // 2
-    pid_m, pid_n = _tile_pid(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = tile_pid(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows_a = offs_m % M  # wrap out-of-range rows onto valid ones: loads need no mask
@@ -62,10 +62,10 @@ def _fused_gemm_kernel(aq_ptr, as_ptr, bq_ptr, bs_ptr, sa_ptr, sb_ptr, bias_ptr,
                                    A_2D, EVEN_K, PTX)
         b_lo, b_hi = _load_dequant(bq_ptr, bs_ptr, rows_b, kb, KB, stride_bq, stride_bs, BN, H,
                                    B_2D, EVEN_K, PTX)
-        acc = _mma(a_lo.to(dot_dtype), tl.trans(b_lo.to(dot_dtype)), acc, INTERP)
-        acc = _mma(a_hi.to(dot_dtype), tl.trans(b_hi.to(dot_dtype)), acc, INTERP)
-    _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
-              stride_o, HAS_BIAS)
+        acc = mma(a_lo.to(dot_dtype), tl.trans(b_lo.to(dot_dtype)), acc, INTERP)
+        acc = mma(a_hi.to(dot_dtype), tl.trans(b_hi.to(dot_dtype)), acc, INTERP)
+    epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
+             stride_o, HAS_BIAS)
 
 
 def fused_mm(a, b, bias=None, out_dtype=torch.bfloat16, cfg=None):
@@ -73,7 +73,7 @@ def fused_mm(a, b, bias=None, out_dtype=torch.bfloat16, cfg=None):
     a, b = check_codes("A", a), check_codes("B", b)
     cfg = dict(_INTERP_CONFIG if interpreting() else (cfg or FUSED_CONFIG))
     m, n, kb = a.rows, b.rows, a.k // 2
-    out = _kernel_out(m, n, out_dtype, a.qdata.device)
+    out = kernel_out(m, n, out_dtype, a.qdata.device)
     scales, strides, flags = _epilogue_args(a.outer_scale, b.outer_scale, bias)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
     kernel = _fused_gemm_kernel[grid](

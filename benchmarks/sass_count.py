@@ -33,23 +33,28 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nvfp4_recipe.kernels import amax as A
-from nvfp4_recipe.kernels import grouped as G
+from nvfp4_recipe.kernels import expert_weights, grouped_quantize
 from nvfp4_recipe.kernels import quantize as Q
-from nvfp4_recipe.kernels.four_over_six import fos_code
+from nvfp4_recipe.kernels.four_over_six import four_over_six_constexprs
 from nvfp4_recipe.spec import FourOverSix
 
-MAE_256 = fos_code(FourOverSix("mae", 256))  # the recipe's 4/6
-DIV16 = {"M", "K", "N", "stride_m", "stride_n", "D_R", "D_KB", "d_stride_q", "d_stride_s",
-         "d_stride_o"}
+MAE_256 = FourOverSix("mae", 256)  # the recipe's 4/6
+FOS_OFF = four_over_six_constexprs(None)
+DIV16 = {"M", "K", "N", "stride_m", "stride_n", "deq_rows", "deq_row_bytes", "deq_stride_q",
+         "deq_stride_s", "deq_stride_o"}
 WARPS = 4
-PAIR_OFF = dict(ROW=False, ROW_SR=False, ROW_PER_TOKEN=False, ROW_MULT=False, ROW_INNER=False,
-                COL_RHT=False, COL_SR=False, COL_PER_TOKEN=False, COL_MULT=False, COL_INNER=False,
-                ROW_FOS=0, COL_FOS=0, SEED_PTR=False, ROFF_PTR=False, COFF_PTR=False, DEQ=False,
-                D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True, D_PTX=False, BB=2, BC=8)
-ROWS_OFF = dict(SR=False, PER_TOKEN=False, MULT=False, INNER=False, RHT=False, FOS=0,
-                SEED_PTR=False, OFF_PTR=False, BB=1, BC=8, T=4)
-W2D_OFF = dict(W=True, WT=True, SR=False, MULT=False, INNER=False, FOS=0, SEED_PTR=False,
-               OFF_PTR=False, BB=4, BC=8)
+PAIR_OFF = dict(ROW=False, ROW_SR=False, ROW_PER_TOKEN=False, ROW_HAS_AMAX_SCALE=False,
+                ROW_INNER=False, COL_RHT=False, COL_SR=False, COL_PER_TOKEN=False,
+                COL_HAS_AMAX_SCALE=False, COL_INNER=False,
+                **four_over_six_constexprs(None, "ROW_"), **four_over_six_constexprs(None, "COL_"),
+                SEED_PTR=False, ROFF_PTR=False, COFF_PTR=False, DEQUANTIZE=False,
+                DEQ_BLOCK_2D=False, DEQ_BR=1, DEQ_H=1, DEQ_EVEN_K=True, DEQ_PTX=False, BB=2, BC=8)
+ROWS_OFF = dict(SR=False, PER_TOKEN=False, HAS_AMAX_SCALE=False, INNER=False, RHT=False,
+                **FOS_OFF, SEED_PTR=False, OFF_PTR=False, BB=1, BC=8, T=4)
+W2D_OFF = dict(W=True, WT=True, SR=False, HAS_AMAX_SCALE=False, INNER=False, **FOS_OFF,
+               SEED_PTR=False, OFF_PTR=False, BB=4, BC=8)
+PAIR_4_6 = {**four_over_six_constexprs(MAE_256, "ROW_"),
+            **four_over_six_constexprs(MAE_256, "COL_")}
 
 
 @dataclass
@@ -74,8 +79,8 @@ GRAD = dict(ROW=True, ROW_SR=True, ROW_INNER=True, COL_RHT=True, COL_SR=True, CO
 VARIANTS = {
     "activation pair (X inner + X^T RHT codes)": pair(**ACT),
     "gradient pair (dY SR inner + dY^T RHT SR inner)": pair(**GRAD),
-    "4/6 activation pair": pair(**ACT, ROW_FOS=MAE_256, COL_FOS=MAE_256),
-    "4/6 gradient pair": pair(**GRAD, ROW_FOS=MAE_256, COL_FOS=MAE_256),
+    "4/6 activation pair": pair(**ACT, **PAIR_4_6),
+    "4/6 gradient pair": pair(**GRAD, **PAIR_4_6),
     "columnwise RN codes only": pair(),
     "rowwise RN codes (loop kernel)": Variant(Q._quantize_rows_kernel, dict(ROWS_OFF)),
     "rowwise per-token SR inner (loop kernel)": Variant(
@@ -83,11 +88,14 @@ VARIANTS = {
         {"": True}),
     "2d weight W + W^T": Variant(Q._quantize_2d_kernel, dict(W2D_OFF)),
     "2d weight W inner + W^T": Variant(Q._quantize_2d_kernel, {**W2D_OFF, "INNER": True}, {"": True}),
-    "4/6 2d weight W + W^T": Variant(Q._quantize_2d_kernel, {**W2D_OFF, "FOS": MAE_256}),
-    "grouped activation pair (MoE tokens)": pair(G._quantize_grouped_kernel, COL=True, **ACT),
-    "grouped gradient pair (MoE tokens)": pair(G._quantize_grouped_kernel, COL=True, **GRAD),
-    "experts 2d weight W inner + W^T": Variant(G._experts_2d_kernel, {**W2D_OFF, "INNER": True},
-                                               {"": True}),
+    "4/6 2d weight W + W^T": Variant(Q._quantize_2d_kernel,
+                                     {**W2D_OFF, **four_over_six_constexprs(MAE_256)}),
+    "grouped activation pair (MoE tokens)": pair(grouped_quantize._quantize_grouped_kernel,
+                                                 COL=True, **ACT),
+    "grouped gradient pair (MoE tokens)": pair(grouped_quantize._quantize_grouped_kernel, COL=True,
+                                               **GRAD),
+    "experts 2d weight W inner + W^T": Variant(expert_weights._experts_2d_kernel,
+                                               {**W2D_OFF, "INNER": True}, {"": True}),
     "amax + RHT amax of X^T (one pass; one tile)": Variant(
         A._amax_kernel, dict(ROW=A.TENSOR, COL=A.TENSOR, COL_RHT=True, ROW_RHT=False, BB=2, BC=16,
                              P=4)),
@@ -97,9 +105,9 @@ VARIANTS = {
 def _type(name: str, inner: Dict[str, bool]) -> str:
     """The argument type of a non-constexpr parameter for a bf16 input (fp16 pointers for
     inner-value outputs, int64 views of packed codes, uint8 scales)."""
-    fixed = {"x_ptr": "*bf16", "w_ptr": "*bf16", "signs_ptr": "*fp32", "dq_ptr": "*u8",
-             "ds_ptr": "*u8", "dout_ptr": "*fp16", "mult": "fp32", "r_mult": "fp32",
-             "c_mult": "fp32", "offs_ptr": "*i32"}
+    fixed = {"x_ptr": "*bf16", "w_ptr": "*bf16", "signs_ptr": "*fp32", "deq_q_ptr": "*u8",
+             "deq_s_ptr": "*u8", "deq_out_ptr": "*fp16", "amax_scale": "fp32",
+             "r_amax_scale": "fp32", "c_amax_scale": "fp32", "offs_ptr": "*i32"}
     if name in fixed:
         return fixed[name]
     if name.endswith("_arg"):

@@ -27,10 +27,9 @@ from . import moe
 from .backends import get_backend
 from .blocks import repeated_blocks
 from .conv1d import NVFP4Conv1D, features, is_conv1d
-from .formats import BLOCK
 from .frozen import NVFP4FrozenLinear
 from .fused import attach_groups
-from .layer import NVFP4Module, layer_seed
+from .layer import NVFP4Module, layer_seed, size_problem
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
 
@@ -41,13 +40,6 @@ __all__ = ["quantize_", "skip_reasons", "dequantize_", "linear_layers", "frozen_
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _shape_problem(module: nn.Module) -> Optional[str]:
-    for name, n in zip(("in_features", "out_features"), features(module)):
-        if n <= 0 or n % BLOCK:
-            return f"{name}={n} is not a positive multiple of {BLOCK}"
-    return None
 
 
 def _dtype_problem(module: nn.Module) -> Optional[str]:
@@ -61,7 +53,8 @@ def _dtype_problem(module: nn.Module) -> Optional[str]:
 
 def _layer_problem(module: nn.Module) -> Optional[str]:
     """Why a linear layer cannot run in NVFP4 (None if it can)."""
-    return _shape_problem(module) or _dtype_problem(module)
+    return (size_problem(dict(zip(("in_features", "out_features"), features(module))))
+            or _dtype_problem(module))
 
 
 def check_module(caller: str, model: object) -> None:
@@ -123,7 +116,7 @@ def _torchao_handler(module: nn.Module, recipe: NVFP4Recipe) -> nn.Module:
                  module.in_features, module.out_features, problem)
         return module
     _check_backend(recipe, module.weight.device)
-    return NVFP4Linear.from_linear(module, recipe)
+    return NVFP4Linear.from_module(module, recipe)
 
 
 def linear_layers(model: nn.Module) -> Dict[str, nn.Module]:
@@ -179,6 +172,13 @@ def _in_block(fqn: str, blocks: Dict[str, str]) -> Optional[str]:
     return next((why for block, why in blocks.items() if fqn.startswith(block + ".")), None)
 
 
+def _kept_by_pattern(recipe: NVFP4Recipe, fqn: str) -> Optional[str]:
+    """Why ``recipe.keep_bf16`` keeps module ``fqn`` in high precision: the first pattern that
+    matches the name (``fnmatch.fnmatchcase``), or None."""
+    pattern = next((p for p in recipe.keep_bf16 if fnmatch.fnmatchcase(fqn, p)), None)
+    return None if pattern is None else f"matches keep_bf16 pattern {pattern!r}"
+
+
 def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
                  filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Dict[str, str]:
     """fqn -> the reason, for each module that ``quantize_(model, recipe, filter_fn)`` would leave
@@ -206,19 +206,19 @@ def skip_reasons(model: nn.Module, recipe: NVFP4Recipe,
     routers = moe.router_ids(model)
     experts = moe.experts_modules(model)
     blocks = _kept_blocks(model, recipe)
-    reasons = moe.experts_skip_reasons(model, recipe)
+    reasons = {}
     for fqn, module in experts.items():
-        if isinstance(module, NVFP4Module) or fqn in reasons:
+        if isinstance(module, NVFP4Module):
             continue
-        problem = _in_block(fqn, blocks) or _dtype_problem(module)
+        problem = (_kept_by_pattern(recipe, fqn) or moe.experts_problem(module)
+                   or _in_block(fqn, blocks) or _dtype_problem(module))
         if problem is not None:
             reasons[fqn] = problem
     for fqn, module in linears.items():
         if isinstance(module, NVFP4Linear):
             continue
-        pattern = next((p for p in recipe.keep_bf16 if fnmatch.fnmatchcase(fqn, p)), None)
-        if pattern is not None:
-            reasons[fqn] = f"matches keep_bf16 pattern {pattern!r}"
+        if (pattern := _kept_by_pattern(recipe, fqn)) is not None:
+            reasons[fqn] = pattern
         elif fqn in edge:
             reasons[fqn] = f"among the first/last {n} linear layers (keep_first_last)"
         elif (block := _in_block(fqn, blocks)) is not None:
@@ -281,9 +281,9 @@ def _report(model: nn.Module, kept: Dict[str, str]) -> None:
 def _convert(module: nn.Module, recipe: NVFP4Recipe, fqn: str) -> nn.Module:
     seed = layer_seed(fqn)
     if is_conv1d(module):
-        return NVFP4Conv1D(module, recipe, seed)
+        return NVFP4Conv1D.from_module(module, recipe, seed)
     if isinstance(module, nn.Linear):
-        return NVFP4Linear.from_linear(module, recipe, seed)
+        return NVFP4Linear.from_module(module, recipe, seed)
     return moe.convert_experts(module, recipe, seed)
 
 
@@ -415,24 +415,23 @@ def set_recipe(model: nn.Module, **changes) -> nn.Module:
 
 
 def dequantize_(model: nn.Module) -> nn.Module:
-    """Swap every NVFP4Linear back to a plain nn.Linear, and every NVFP4Conv1D and NVFP4 experts
-    module back to the module it was made from (same Parameters), in place; returns the model (the
-    high-precision module when ``model`` is itself an NVFP4 one).
+    """Swap every NVFP4 module back to its high-precision module (``NVFP4Module.dequantize``), in
+    place: an NVFP4Linear to a plain nn.Linear and an NVFP4Conv1D or NVFP4 experts module to the
+    module it was made from, holding the same Parameters; an NVFP4FrozenLinear to an nn.Linear
+    holding its weight dequantized. Returns the model (the high-precision module when ``model``
+    is itself an NVFP4 one).
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
+        ValueError: an NVFP4 experts module built directly, not converted from one.
     """
     check_module("dequantize_", model)
     model.__dict__.pop("nvfp4_kept", None)
     if isinstance(model, NVFP4Module):
-        return _high_precision(model)
+        return model.dequantize()
     for name, child in list(model.named_children()):
         if isinstance(child, NVFP4Module):
-            setattr(model, name, _high_precision(child))
+            setattr(model, name, child.dequantize())
         else:
             dequantize_(child)
     return model
-
-
-def _high_precision(layer: nn.Module) -> nn.Module:
-    return layer.high_precision() if hasattr(layer, "high_precision") else layer.to_linear()

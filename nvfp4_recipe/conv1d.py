@@ -11,13 +11,13 @@ transformers is not imported: a Conv1D is recognized by its class name and attri
 (:func:`is_conv1d`).
 """
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import nn
 
+from .layer import NVFP4Module
 from .linear import NVFP4Linear
-from .recipe import NVFP4Recipe
 
 __all__ = ["NVFP4Conv1D", "is_conv1d", "features"]
 
@@ -37,30 +37,30 @@ def features(module: nn.Module) -> Tuple[int, int]:
 
 
 class NVFP4Conv1D(NVFP4Linear):
-    """A transformers ``Conv1D`` trained with all three GEMMs in NVFP4 (see the module docstring).
+    """A transformers ``Conv1D`` trained with all three GEMMs in NVFP4 (see the module docstring),
+    made by ``NVFP4Conv1D.from_module(conv1d, recipe, layer_seed)`` (``quantize_`` does).
 
     Input (..., in) -> output (..., out), as the Conv1D; ``weight`` (in, out) and ``bias`` (out,)
     are the Conv1D's Parameters (an optimizer built before the swap still updates them), and
     ``nx``, ``nf``, ``in_features``, ``out_features`` its sizes. Buffers, training and inference:
-    as :class:`NVFP4Linear`. Not tensor parallel.
+    as :class:`NVFP4Linear`. Not tensor parallel. :meth:`dequantize` gives the Conv1D back.
 
     Raises:
-        ValueError: in or out not a positive multiple of 16 (at construction); as NVFP4Linear in
+        ValueError: in or out not a positive multiple of 16 (at conversion); as NVFP4Linear in
             forward.
     """
 
-    def __init__(self, conv1d: nn.Module, recipe: Optional[NVFP4Recipe] = None,
-                 layer_seed: int = 0):
-        """Wrap ``conv1d`` (:func:`is_conv1d`), sharing its Parameters; :meth:`high_precision`
-        gives it back."""
-        nx, nf = conv1d.weight.shape
-        super().__init__(nx, nf, conv1d.bias is not None, device="meta", recipe=recipe,
-                         layer_seed=layer_seed)
-        self.nx, self.nf = nx, nf
-        self.weight, self.bias = conv1d.weight, conv1d.bias
-        self._init_nvfp4(recipe, layer_seed, conv1d.weight.device)
-        object.__setattr__(self, "_original", conv1d)  # not a submodule: no second state dict entry
-        self.train(conv1d.training)
+    KEEPS_ORIGINAL = True  # a Conv1D: transformers is not imported to build one
+    dequantize = NVFP4Module.dequantize  # the Conv1D it was made from, holding the Parameters
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("an NVFP4Conv1D is made from a transformers Conv1D: "
+                        "NVFP4Conv1D.from_module(conv1d, recipe, layer_seed)")
+
+    def _adopt(self, conv1d: nn.Module) -> None:
+        """``conv1d``'s sizes and its weight (in, out) and bias Parameters (:meth:`from_module`)."""
+        self.nx, self.nf = conv1d.weight.shape
+        self._hold(self.nx, self.nf, conv1d.weight, conv1d.bias)
 
     def reset_parameters(self) -> None:
         """transformers' Conv1D initialization (weight normal with std 0.02, bias zeros), and
@@ -68,20 +68,8 @@ class NVFP4Conv1D(NVFP4Linear):
         nn.init.normal_(self.weight, std=0.02)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
-        if "sr_step" in self._buffers:  # nn.Linear.__init__ calls this before the buffers exist
-            self.reset_recipe_buffers()
+        self.reset_recipe_buffers()
 
     def fprop_weight(self) -> torch.Tensor:
         """W (out, in): the transposed view of the (in, out) Conv1D weight."""
         return self.weight.t()
-
-    def high_precision(self) -> nn.Module:
-        """The Conv1D this layer was made from, holding this layer's Parameters."""
-        self._original.weight, self._original.bias = self.weight, self.bias
-        self._original.train(self.training)
-        return self._original
-
-    def to_linear(self) -> nn.Linear:
-        """Raises TypeError: the (in, out) weight is no nn.Linear's; use :meth:`high_precision`."""
-        raise TypeError("an NVFP4Conv1D's weight is (in, out), not an nn.Linear's; "
-                        "high_precision() gives the Conv1D it was made from")

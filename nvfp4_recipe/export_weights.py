@@ -14,22 +14,29 @@ Serving engines dequantize each fused group (q/k/v, gate/up) with one global sca
 group's max). Where a group's members have different ones (``shared_weight_amax`` off, a model
 trained before it, a checkpoint from elsewhere), :func:`unify_groups` quantizes the group again
 with its largest amax and logs, per group, the relative weight error that introduces.
+
+An MoE expert's projection (``export_experts.ExpertProjection``) is exported as fprop quantizes it
+(:func:`expert_weights`): each expert's W_g alone, per tensor, under its module's W spec
+(``gemms.Grouped.weights``). Hugging Face's gate_up_proj[g] is one such W_g, so its gate and up rows
+share one global scale as trained; torchtitan's w1[g] and w3[g] are quantized apart in training,
+and where their amaxes differ both are quantized again with the larger (the error logged per module).
 """
 
 import logging
 from dataclasses import replace
-from typing import Dict, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import reference as R
+from .export_experts import ExpertProjection
 from .formats import BLOCK, E4M3_MAX
 from .frozen import NVFP4FrozenLinear
 from .operand import NVFP4Operand
 from .spec import Block, GemmRole, QuantSpec, Scaling
 
-__all__ = ["ServingWeight", "serving_weight", "encode_scale_of", "unify_groups"]
+__all__ = ["ServingWeight", "serving_weight", "encode_scale_of", "unify_groups", "expert_weights"]
 
 log = logging.getLogger("nvfp4_recipe")
 
@@ -128,4 +135,58 @@ def unify_groups(weights: Dict[str, ServingWeight], layers: Dict[str, nn.Module]
                         "with NVFP4Recipe(shared_weight_amax=True) to export the trained weights "
                         "bit for bit", "/".join(fqns), len(set(scales.tolist())),
                         ", ".join(f"{f.rpartition('.')[2]} {e:.2e}" for f, e in zip(fqns, errors)))
+    return out
+
+
+def _rows(op: NVFP4Operand, rows: slice) -> NVFP4Operand:
+    """Rows ``rows`` of a 1x16-scaled operand (N, K): its codes and scales, one outer scale."""
+    return NVFP4Operand(op.qdata[rows], op.scale[rows], op.outer_scale, op.spec)
+
+
+def _expert_group(projections: Sequence[ExpertProjection]
+                  ) -> Tuple[List[ServingWeight], Dict[str, float]]:
+    """The served weights of one expert's projections sharing one global scale, each stacked
+    Parameter's W_g quantized once with the largest amax of the group's W_g's, and {Parameter:
+    relative weight error against W_g quantized with its own amax, as trained} for the W_g's
+    whose amax was not the largest."""
+    first = projections[0]
+    spec = first.module.recipe.spec(GemmRole.W_FPROP)
+    ws = {p.param: getattr(p.module, p.param)[p.expert].detach() for p in projections}
+    amaxes = {param: R.amax(w, Scaling.PER_TENSOR) for param, w in ws.items()}
+    amax = torch.stack(list(amaxes.values())).amax()
+    ops = {param: _rows_1x16(R.quantize(w, spec, amax_=amax)) for param, w in ws.items()}
+    errors = {param: _relative_error(ops[param], _rows_1x16(R.quantize(w, spec)))
+              for param, w in ws.items() if not torch.equal(amaxes[param], amax)}
+    s_enc = R.encode_scale(amax, _bound(spec))
+    return [ServingWeight(_rows(ops[p.param], p.rows), s_enc) for p in projections], errors
+
+
+def expert_weights(projections: Dict[str, ExpertProjection], groups: Sequence[Tuple[str, ...]]
+                   ) -> Dict[str, ServingWeight]:
+    """served name -> exported weight of every expert projection: each group of ``groups``
+    (``export_experts.expert_groups``) quantized with one amax, the largest of its stacked
+    Parameters' W_g's (module docstring); codes and 1x16 scales equal
+    ``reference.quantize(W_g, W spec, amax_=that amax)``, fprop's bits where the group has one
+    W_g. One WARNING per experts module where some expert's fused W_g's had different amaxes,
+    giving the count and each Parameter's largest relative weight error against the weights the
+    model computes with."""
+    out: Dict[str, ServingWeight] = {}
+    worst: Dict[str, Dict[str, float]] = {}  # module fqn -> {Parameter: largest error}
+    requantized: Dict[str, int] = {}  # module fqn -> experts quantized again
+    with torch.no_grad():
+        for names in groups:
+            members = [projections[n] for n in names]
+            weights, errors = _expert_group(members)
+            out.update(zip(names, weights))
+            if errors:
+                fqn = members[0].fqn
+                requantized[fqn] = requantized.get(fqn, 0) + 1
+                largest = worst.setdefault(fqn, {})
+                for param, error in errors.items():
+                    largest[param] = max(largest.get(param, 0.0), error)
+    for fqn, count in requantized.items():
+        log.warning("export: %s: %d experts had different weight global scales for their fused "
+                    "projections (served with one); quantized again with each expert's larger amax "
+                    "(largest relative weight error: %s)", fqn, count,
+                    ", ".join(f"{p} {e:.2e}" for p, e in worst[fqn].items()))
     return out

@@ -21,14 +21,14 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from . import quantizers
 from . import reference as R
-from .backends import get_backend, resolved
+from .backends import resolved
 from .formats import BLOCK
-from .layer import (NVFP4Module, autocast_off, backend_name, layer_seed, next_sr_key, out_dtype,
-                    sr_key, training)
-from .linear import linear_fprop, linear_grads, recorded
+from .layer import (DenseRecorder, NVFP4Module, autocast_off, backend_name, check_sizes, layer_seed,
+                    next_sr_key, out_dtype, training)
+from .linear import linear_fprop, linear_grads
 from .operand import NVFP4Operand
+from .quantizers import Usage
 from .recipe import NVFP4Recipe
 from .spec import Block, QuantSpec
 from .tensor import NVFP4Tensor
@@ -39,7 +39,6 @@ GEMMS = ("nvfp4", "bf16")
 # the specs of a checkpoint's weight: 1x16 scales (W^T then requantized along N, as 1d), or
 # 16x16 tile scales (W^T the exact transpose)
 _W_1D, _W_2D = QuantSpec(Block.D1), QuantSpec(Block.D2)
-_DGRAD = quantizers.Usage(dgrad=True, wgrad=False)  # the GEMMs of a frozen layer: fprop and dgrad
 
 
 def tile_scales(scale: torch.Tensor) -> Optional[torch.Tensor]:
@@ -120,6 +119,8 @@ class NVFP4FrozenLinear(NVFP4Module):
     ``spec`` the weight's :class:`QuantSpec` (``QuantSpec(block)``, the operands carry it) and
     ``block`` its scale layout.
 
+    :meth:`dequantize` gives a plain nn.Linear holding the weight dequantized.
+
     ``gemm``: "nvfp4" runs fprop (X quantized as ``recipe.spec(X_FPROP)``) and dgrad (dY as
     ``DY_DGRAD``, SR from the layer's stream; W^T the exact transpose of tile-scaled weights, else
     W requantized along N) as NVFP4 GEMMs on the recipe's backend: the forward of the trained
@@ -131,6 +132,8 @@ class NVFP4FrozenLinear(NVFP4Module):
             recipe with ``forward_override`` or ``backward_override``.
         TypeError: ``qdata`` not uint8 or ``scale`` not float8_e4m3fn.
     """
+
+    RECORDED = Usage(dgrad=True, wgrad=False)  # its GEMMs, which capture records: fprop and dgrad
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, recipe: Optional[NVFP4Recipe] = None,
@@ -197,29 +200,22 @@ class NVFP4FrozenLinear(NVFP4Module):
                 y = _fprop(self.operand, x2, self.bias, self.rht_signs, self.recipe, backend,
                            self.gemm, y_dtype)
         if self.captured is not None and self.gemm == "nvfp4" and x2.shape[0]:
-            self._capture(x2, y, backend)
+            # the weight is not recorded: its stored codes have no high-precision original to
+            # measure against (``weight`` gives them)
+            self._capture(0, x2, None, y, DenseRecorder(backend, self.captured.keep))
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
-        """Record, for ``inspect.capture`` / ``QuantStats`` (``self.captured``, a
-        :class:`layer.Recording`), the operands this layer quantizes: ``"x"`` (X (M, K) as fprop's
-        A) now and ``"dy"`` (dY (M, N) as dgrad's A, SR from the layer's stream) when the gradient
-        of ``y`` (M, N) arrives; quantized again with the same specs and SR key, so they hold the
-        bits the GEMMs used. The weight is not recorded: its stored codes have no high-precision
-        original to measure against (``weight`` gives them); there is no wgrad (no X^T, dY^T)."""
-        be, rec, signs, r = get_backend(backend, x2.device), self.captured, self.rht_signs, self.recipe
-        keep = functools.partial(recorded, be, backend, rec)  # keep(t, q)
-
-        with torch.no_grad():
-            rec.store["x"] = keep(x2.detach(), quantizers.build(r, signs, _DGRAD).x.rowwise)
-        if y.requires_grad:
-            seed = sr_key(*self.sr_state())  # before the backward advances it
-
-            def record_dy(dy: torch.Tensor) -> None:
-                q = quantizers.build(r, signs, _DGRAD, dy=tuple(dy.shape), sr_key=seed).dy
-                with torch.no_grad():
-                    rec.store["dy"] = keep(dy, q.rowwise)
-            y.register_hook(record_dy)
+    def dequantize(self) -> nn.Linear:
+        """A plain nn.Linear of this layer's shape, in its train mode, holding the weight
+        dequantized (``reference.dequantize``: exact in float32) and cast to the layer's
+        ``dtype``, and the bias cast to it, as Parameters that do not require grad (the weight
+        was frozen)."""
+        lin = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
+        lin.weight = nn.Parameter(R.dequantize(self.operand).to(self.dtype), requires_grad=False)
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.to(self.dtype), requires_grad=False)
+        lin.train(self.training)
+        return lin
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -234,10 +230,11 @@ def _check_weight(qdata: torch.Tensor, scale: torch.Tensor, gemm: str) -> None:
         raise TypeError(f"NVFP4FrozenLinear takes uint8 codes and float8_e4m3fn scales, got "
                         f"{qdata.dtype} and {scale.dtype}")
     n, half_k = qdata.shape
-    if n % BLOCK or (2 * half_k) % BLOCK or tuple(scale.shape) != (n, 2 * half_k // BLOCK):
-        raise ValueError(f"NVFP4FrozenLinear: codes {tuple(qdata.shape)} and 1x16 scales "
-                         f"{tuple(scale.shape)} do not describe an (N, K) weight with N and K "
-                         f"multiples of {BLOCK}")
+    check_sizes("NVFP4FrozenLinear", {"out_features": n, "in_features": 2 * half_k})
+    if tuple(scale.shape) != (n, 2 * half_k // BLOCK):
+        raise ValueError(f"NVFP4FrozenLinear: 1x16 scales {tuple(scale.shape)} do not go with "
+                         f"codes {tuple(qdata.shape)}: an ({n}, {2 * half_k}) weight has "
+                         f"({n}, {2 * half_k // BLOCK}) scales")
 
 
 # checkpoint layout -> (codes, block scales, global scale) tensor names, and whether the global

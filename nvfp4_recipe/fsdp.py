@@ -163,9 +163,11 @@ class FP4AllGatherWeight(torch.Tensor):
                             module: nn.Module, mp_policy) -> Tuple[Tuple[torch.Tensor, ...], Any]:
         """FSDP2's pre-all-gather hook: the all-gather inputs of this rank's shard and metadata.
 
-        FP4: ((rows, K/2) uint8 codes, (rows/16, K/16) E4M3 scales), metadata the outer scale
-        (a float32 scalar). High precision: ((padded rows, K) in ``param_dtype``,), None: the
-        shard padded as FSDP2 pads an uneven one. Counts the bytes this rank receives.
+        FP4: ((rows, K/2) uint8 codes, (rows/16, K/16) E4M3 scales), metadata the quantized
+        shard (an NVFP4Tensor: its outer scale, a float32 scalar equal on every rank, its spec,
+        backend and RHT signs are the gathered weight's). High precision: ((padded rows, K) in
+        ``param_dtype``,), None: the shard padded as FSDP2 pads an uneven one. Counts the bytes
+        this rank receives.
         """
         shard = self._tensor.to(mp_policy.param_dtype or self.dtype)
         world = mesh.size()
@@ -183,20 +185,19 @@ class FP4AllGatherWeight(torch.Tensor):
         """FSDP2's post-all-gather hook: the unsharded weight from the gathered tensors.
 
         FP4: an :class:`NVFP4Tensor` (N, K) of ``param_dtype`` holding the gathered codes and
-        scales (no copy) and the outer scale; with ``out`` (later all-gathers into the same
-        buffers) only its outer scale changes. High precision: the gathered tensor itself.
+        scales (no copy) and the shard's outer scale, spec (whole), backend and RHT signs; with
+        ``out`` (later all-gathers into the same buffers) only its outer scale and spec change.
+        High precision: the gathered tensor itself.
         Returns (unsharded tensor, the tensors FSDP2 frees after use), or None with ``out``.
         """
         if self._state.mode == HIGH_PRECISION:
             return None if out is not None else (outputs[0], outputs)
         if out is not None:
-            out.outer_scale = metadata.outer_scale
+            out.outer_scale, out.spec = metadata.outer_scale, metadata.spec
             return None
         qdata, scale = outputs
-        w = _GatheredWeight(qdata, scale, metadata.outer_scale, metadata.block, metadata.scaling,
-                            metadata.rounding, param_dtype, False, metadata.backend,
-                            amax_scale=metadata.amax_scale,
-                            four_over_six=metadata.four_over_six)
+        w = _GatheredWeight(qdata, scale, metadata.outer_scale, metadata.spec, param_dtype, False,
+                            metadata.backend, metadata.rht_signs)
         return w, outputs
 
 

@@ -1,7 +1,7 @@
-"""The base of every NVFP4 training module: :class:`NVFP4Module`, shared by ``NVFP4Linear`` and
-the experts modules of ``moe.py``.
+"""The base of every NVFP4 module: :class:`NVFP4Module`, shared by ``NVFP4Linear`` (and
+``NVFP4Conv1D``), the experts modules of ``moe.py`` and the frozen ``NVFP4FrozenLinear``.
 
-What a module that trains in NVFP4 keeps besides its parameters, written once:
+What a module that runs in NVFP4 keeps and does besides its parameters, written once:
 
 - the recipe (a frozen :class:`NVFP4Recipe`) and a layer seed, from which the buffers come:
   ``rht_signs`` (16,) float32, and per SR stream (one per projection) ``sr_seed`` and ``sr_step``
@@ -11,29 +11,36 @@ What a module that trains in NVFP4 keeps besides its parameters, written once:
 - the SR key of a backward (:func:`next_sr_key`);
 - the fprop weight operands kept inside :func:`cached_weights`;
 - the operands recorded by ``inspect.capture`` and ``inspect.QuantStats`` (``captured``, a
-  :class:`Recording`);
-- initialization delegated to the module it replaced (``init_weights``, ``reset_parameters``).
+  :class:`Recording`, filled by :meth:`NVFP4Module._capture`);
+- the conversion from the high-precision module it replaces (:meth:`NVFP4Module.from_module`)
+  and back (:meth:`NVFP4Module.dequantize`, which ``dequantize_`` calls);
+- the check that its GEMM dimensions are whole blocks of 16 (:func:`check_sizes`).
 """
 
 import contextlib
 import weakref
 import zlib
 from contextvars import ContextVar
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .backends import get_backend
+from . import quantizers
+from .backends import TRITON_INSTALLED, get_backend, resolved
 from .backends.operators import autocast_disabled
 from .formats import BLOCK
-from .kernels.philox import next_key
-from .kernels.runtime import tracing
 from .operand import NVFP4Operand
+from .quantizers import OperandQuantizer, TensorQuantizer, Usage
 from .recipe import NVFP4Recipe
+from .tensor import NVFP4Tensor
+from .tracing import tracing
+
+if TRITON_INSTALLED:  # a backward's SR key in one launch on CUDA; torch ops without Triton
+    from .kernels.philox import next_key
 
 __all__ = ["NVFP4Module", "cached_weights", "layer_seed", "sr_key", "next_sr_key", "out_dtype", "backend_name",
-           "training", "local"]
+           "training", "local", "size_problem", "check_sizes", "DenseRecorder"]
 
 _BUFFERS = ("rht_signs", "sr_seed", "sr_step")
 # the modules that cached a weight in the innermost cached_weights() context, None outside one
@@ -89,11 +96,11 @@ def sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> to
 
 def next_sr_key(sr_seed: torch.Tensor, sr_step: torch.Tensor, sr_rank: int = 0) -> torch.Tensor:
     """A backward's SR key, :func:`sr_key` of the counters as they are, and ``sr_step`` advanced by
-    one in place (a mutation torch.compile and CUDA graphs keep). On a GPU in eager mode one small
-    kernel does both (``kernels.philox.next_key``): the launches saved are host time in a
-    host-bound backward; elsewhere torch ops, also while torch.compile traces (its backward
-    graph too), which fuses them and keeps the mutation as an ordinary in-place op."""
-    if sr_step.is_cuda and not (torch.compiler.is_compiling() or tracing()):
+    one in place (a mutation torch.compile and CUDA graphs keep). On a GPU in eager mode with
+    Triton installed one small kernel does both (``kernels.philox.next_key``): the launches saved
+    are host time in a host-bound backward; elsewhere torch ops, also while torch.compile traces
+    (its backward graph too), which fuses them and keeps the mutation as an ordinary in-place op."""
+    if TRITON_INSTALLED and sr_step.is_cuda and not (torch.compiler.is_compiling() or tracing()):
         return next_key(sr_seed, sr_step, sr_rank)
     key = sr_key(sr_seed, sr_step, sr_rank)
     sr_step.add_(1)
@@ -139,6 +146,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def size_problem(sizes: Dict[str, int]) -> Optional[str]:
+    """Why an NVFP4 layer cannot have these GEMM dimensions (``{name: size}``; NVFP4 quantizes
+    every one of them in blocks of 16): ``"name=size is not a positive multiple of 16"`` for the
+    first that is not, None if every one is."""
+    return next((f"{name}={n} is not a positive multiple of {BLOCK}" for name, n in sizes.items()
+                 if n <= 0 or n % BLOCK), None)
+
+
+def check_sizes(layer: str, sizes: Dict[str, int]) -> None:
+    """Raises ValueError, ``"<layer>: <name>=<size> is not a positive multiple of 16"``, for the
+    first of ``sizes`` (:func:`size_problem`) an NVFP4 layer cannot have."""
+    problem = size_problem(sizes)
+    if problem is not None:
+        raise ValueError(f"{layer}: {problem}")
+
+
 def nvfp4_operands(recipe: NVFP4Recipe) -> Tuple[str, ...]:
     """The operands a layer's GEMMs take in NVFP4 under ``recipe``, by the names ``inspect``
     records them under: "w", "x" (fprop), "xt" (wgrad), "dy", "dyt" (dgrad, wgrad), without those
@@ -162,13 +185,56 @@ class Recording:
         self.keep = keep
 
 
-class NVFP4Module(nn.Module):
-    """The state every NVFP4 training module shares (see the module docstring).
+class DenseRecorder(NamedTuple):
+    """How a dense layer (``NVFP4Linear``, ``NVFP4FrozenLinear``) records its operands for
+    :meth:`NVFP4Module._capture`: each copy quantized again on its own by ``Backend.quantize`` with
+    its quantizer's spec, signs, SR stream and amax (the bits its GEMM used), as an
+    :class:`NVFP4Tensor` kept by ``keep(hp, q)`` (:class:`Recording`).
 
-    Subclasses call :meth:`_init_nvfp4` once their parameters exist, and set ``STREAMS``: None
-    for one SR stream with 0-d ``sr_seed`` / ``sr_step`` buffers (``NVFP4Linear``, its checkpoint
-    layout), or the projection names, one stream each, with (P,) buffers whose seeds add
-    ``crc32(name)``.
+    Fields:
+        backend: the resolved backend name the layer's GEMMs ran on.
+        keep: ``Recording.keep``.
+    """
+
+    backend: str
+    keep: Callable[[torch.Tensor, object], object]
+
+    def weight(self, w: torch.Tensor, q: OperandQuantizer) -> object:
+        """W (N, K) quantized along K by ``q``, kept."""
+        return self._kept(w, q)
+
+    def tokens(self, t: torch.Tensor, q: TensorQuantizer) -> Tuple[object, object]:
+        """(t (M, K) quantized by ``q.rowwise``, t^T (K, M) by ``q.columnwise``), each kept, or
+        None where ``q`` has no such copy."""
+        return (q.rowwise and self._kept(t, q.rowwise),
+                q.columnwise and self._kept(t.t(), q.columnwise))
+
+    def _kept(self, t: torch.Tensor, q: OperandQuantizer) -> object:
+        op = resolved(self.backend).quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
+                                             amax_reduce=quantizers.amax_reducer(q))
+        return self.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, self.backend))
+
+
+def _record(store: dict, recorder, t: torch.Tensor, q: TensorQuantizer,
+            names: Tuple[str, str]) -> None:
+    """``store[names[i]]`` = the rowwise (0) and columnwise (1) copies of ``t`` that ``q`` asks for,
+    recorded by ``recorder.tokens`` (every copy as codes: ``quantizers.inspected``)."""
+    q = quantizers.inspected(q)
+    if q.rowwise or q.columnwise:
+        for name, kept in zip(names, recorder.tokens(t, q)):
+            if kept is not None:
+                store[name] = kept
+
+
+class NVFP4Module(nn.Module):
+    """The state every NVFP4 module shares (see the module docstring).
+
+    A subclass sets ``STREAMS``: None for one SR stream with 0-d ``sr_seed`` / ``sr_step`` buffers
+    (``NVFP4Linear``, its checkpoint layout), or the projection names, one stream each, with (P,)
+    buffers whose seeds add ``crc32(name)``. Its constructor calls :meth:`_init_nvfp4` once the
+    parameters exist; a module converted from a high-precision one is made by
+    :meth:`from_module` instead, which calls the subclass's :meth:`_adopt`. Every subclass gives
+    ``dequantize_`` its high-precision module (:meth:`dequantize`).
 
     Buffers: ``rht_signs`` (16,) float32, the recipe's RHT signs; ``sr_seed``, the Philox key of a
     stream (low 32 bits): ``(recipe.seed + layer_seed [+ crc32(projection)]) mod 2**32``;
@@ -177,9 +243,69 @@ class NVFP4Module(nn.Module):
     """
 
     STREAMS: Optional[Tuple[str, ...]] = None
+    # from_module keeps the module converted from, which dequantize() gives back (not a submodule:
+    # no second state-dict entry); None for a module built directly
+    _original: Optional[nn.Module] = None
+    # whether from_module keeps that module; NVFP4Linear builds a new nn.Linear instead, since the
+    # old one would keep alive the Parameters that FSDP2 replaces with its shards
+    KEEPS_ORIGINAL = True
+    # the GEMMs whose operands _capture records (inspect): fprop, dgrad and wgrad
+    RECORDED = Usage(dgrad=True, wgrad=True)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, recipe: Optional[NVFP4Recipe] = None,
+                    layer_seed: int = 0) -> "NVFP4Module":
+        """The NVFP4 module of a high-precision ``module`` (what ``quantize_`` swaps in): holding
+        ``module``'s Parameters themselves (an optimizer built before keeps training them), with
+        the recipe state of ``recipe`` (default ``NVFP4Recipe()``) and ``layer_seed`` on their
+        device, in ``module``'s train mode; :meth:`dequantize` gives the high-precision module
+        back.
+
+        Raises:
+            ValueError: a size of ``module`` that is not a positive multiple of 16
+                (:func:`check_sizes`, naming the layer and the dimension).
+            TypeError: this class is not made from a module (:meth:`_adopt`).
+        """
+        # not cls(...): a constructor makes Parameters of its own (allocated, initialized with
+        # random draws) and the recipe state, which is made once, below
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._adopt(module)
+        new._init_nvfp4(recipe, layer_seed, next(module.parameters()).device)
+        if cls.KEEPS_ORIGINAL:
+            object.__setattr__(new, "_original", module)
+        new.train(module.training)
+        return new
+
+    def _adopt(self, module: nn.Module) -> None:
+        """Take ``module``'s sizes and Parameters (the same objects), and whatever else its forward
+        uses, into this bare module (``nn.Module.__init__`` run, nothing else) for
+        :meth:`from_module`; checks the sizes (:func:`check_sizes`).
+
+        Raises:
+            TypeError: in this base, and in a subclass not made from another module.
+        """
+        raise TypeError(f"{type(self).__name__} is not made from a high-precision module")
+
+    def dequantize(self) -> nn.Module:
+        """The high-precision module ``dequantize_`` puts in this one's place: here the module this
+        one was made from (:meth:`from_module`), holding this module's Parameters as they are now
+        (``to_empty`` and FSDP2 replace Parameters), in this module's train mode.
+
+        Raises:
+            ValueError: the module was built directly, not converted from one.
+        """
+        if self._original is None:
+            raise ValueError(f"this {type(self).__name__} was built directly; there is no "
+                             f"high-precision module to return")
+        for name, _ in list(self._original.named_parameters(recurse=False)):
+            setattr(self._original, name, getattr(self, name))
+        self._original.train(self.training)
+        return self._original
 
     def _init_nvfp4(self, recipe: Optional[NVFP4Recipe], layer_seed: int, device) -> None:
-        """Set the recipe, the layer seed and ``sr_rank`` = 0, and register the buffers."""
+        """Set the recipe, the layer seed and ``sr_rank`` = 0, and register the buffers on
+        ``device``."""
         self.recipe = recipe if recipe is not None else NVFP4Recipe()
         self.layer_seed = layer_seed
         self.sr_rank = 0
@@ -264,3 +390,36 @@ class NVFP4Module(nn.Module):
             hit = self._weight_cache[name] = (weight, *key, make())
             modules.add(self)
         return hit[4]
+
+    def _capture(self, stream: int, x: torch.Tensor, w: Optional[torch.Tensor], y: torch.Tensor,
+                 recorder, weight_amax: Optional[torch.Tensor] = None) -> None:
+        """Record the NVFP4 operands of this call's GEMMs in ``self.captured`` (a
+        :class:`Recording`; under the projection's name where ``STREAMS`` names them): those of
+        :func:`nvfp4_operands` that the :data:`RECORDED` GEMMs take. W and X now, X^T too where
+        autograd records the call (``y`` requires grad) and the tokens fill blocks of 16; dY and
+        dY^T when the gradient of ``y`` arrives. Each is quantized again with the call's spec,
+        signs, SR key of stream ``stream`` (taken now, before the backward advances it) and amax
+        (``weight_amax``: W's, as fprop took it), so it holds the bits the GEMM used;
+        ``recorder`` (:class:`DenseRecorder`, ``moe.GroupedRecorder``) quantizes and keeps each
+        (``weight(w, q)``, ``tokens(t, q)``). ``w`` None: no weight to record (a frozen one)."""
+        r, signs = self.recipe, local(self.rht_signs)
+        names = nvfp4_operands(r)
+        store = self.captured.store
+        if self.STREAMS is not None:
+            store = store.setdefault(self.STREAMS[stream], {})
+        fwd = quantizers.build(r, signs, self.RECORDED, weight_amax=weight_amax)
+        wgrad = y.requires_grad and x.shape[0] % BLOCK == 0  # X^T only where the call makes it
+        with torch.no_grad(), autocast_off(x.device.type):
+            if w is not None and "w" in names:
+                store["w"] = recorder.weight(w.detach(), fwd.w.rowwise)
+            _record(store, recorder, x.detach(), TensorQuantizer(
+                fwd.x.rowwise if "x" in names else None,
+                fwd.x.columnwise if "xt" in names and wgrad else None), ("x", "xt"))
+        if y.requires_grad and "dy" in names:
+            seed = sr_key(*self.sr_state(stream))
+
+            def record_dy(dy: torch.Tensor) -> None:
+                q = quantizers.build(r, signs, self.RECORDED, dy=tuple(dy.shape), sr_key=seed).dy
+                with torch.no_grad(), autocast_off(dy.device.type):
+                    _record(store, recorder, dy, q, ("dy", "dyt"))
+            y.register_hook(record_dy)

@@ -8,18 +8,17 @@ tensor-parallel layer (DTensor weight) runs the same algorithm on its shards
 (``tensor_parallel.py``).
 """
 
-import functools
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import gemms, quantizers
-from .backends import Backend, get_backend, resolved
+from .backends import Backend, get_backend
 from .formats import BLOCK
-from .gemms import weight_operands
-from .layer import (NVFP4Module, autocast_off, backend_name, local, nvfp4_operands, out_dtype, sr_key,
-                    training)
+from .forward import Cache, forward_gemms
+from .layer import (DenseRecorder, NVFP4Module, autocast_off, backend_name, check_sizes, local,
+                    out_dtype)
 from .operand import NVFP4Operand
 from .quantizers import Usage
 from .recipe import NVFP4Recipe
@@ -27,13 +26,13 @@ from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
 
-__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads", "recorded"]
+__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads"]
+
 
 def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
                  need_xt: bool, shard: Optional[TensorParallelShard] = None,
                  w: Optional[NVFP4Operand] = None, keep: bool = False,
-                 weight_amax: Optional[torch.Tensor] = None,
                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[tuple]]:
     """fprop of an NVFP4 linear, :func:`gemms.fprop` of the :class:`gemms.Dense` layout:
     ``Y = Q(X) @ Q(W)^T + bias``.
@@ -44,15 +43,12 @@ def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optio
         shard: None, or the tensor-parallel layout of these local shards (``Dense.shard``).
         w: W as ``be.prepare_weight`` made it for fprop (:func:`cached_weights`), or None to
             quantize ``weight`` here; only without need_wt.
-        weight_amax: None, or the fp32 0-d amax W is quantized with (a fused group's,
-            :meth:`NVFP4Linear.shared_weight_amax`).
         Others: as :func:`gemms.fprop`.
     Returns:
         (Y (M, N) of ``out_dtype``, W^T (K, N) or None, X^T (K, M) or None, (X, W) operands or
         None).
     """
-    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep), shard,
-                         weight_amax=weight_amax)
+    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep), shard)
     return gemms.fprop(_dense(shard), be, x, weight, bias, q, out_dtype, w)
 
 
@@ -73,36 +69,24 @@ def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
     return gemms.grads(_dense(shard), be, dy, wt, xt, q, dx_dtype, dw_dtype)
 
 
-def recorded(be: Backend, backend: str, rec, t: torch.Tensor,
-             q: quantizers.OperandQuantizer) -> NVFP4Tensor:
-    """``t`` quantized again as its GEMM quantized it (``q``: its spec, signs, SR stream and amax)
-    and kept in the :class:`layer.Recording` ``rec`` (``inspect.capture``, ``QuantStats``)."""
-    op = be.quantize(t, q.spec, seed=q.seed, offset=q.offset, signs=q.signs,
-                     amax_reduce=quantizers.amax_reducer(q))
-    return rec.keep(t, NVFP4Tensor.from_operand(op, t.dtype, q.signs, backend))
-
-
 _DENSE = gemms.Dense()
-_EVERY_COPY = Usage(dgrad=True, wgrad=True)  # what inspect records: every operand of every GEMM
 
 
-def _dense(shard: Optional[TensorParallelShard],
-           weight_amax: Optional[torch.Tensor] = None) -> gemms.Dense:
-    """The dense layout of a layer, or of its tensor-parallel ``shard``, W quantized with
-    ``weight_amax`` where given (a fused group's)."""
-    if shard is None and weight_amax is None:
-        return _DENSE
-    return gemms.Dense(shard, weight_amax)
+def _dense(shard: Optional[TensorParallelShard]) -> gemms.Dense:
+    """The dense layout of a layer, or of its tensor-parallel ``shard``."""
+    return _DENSE if shard is None else gemms.Dense(shard)
 
 
 def _check_tokens(x2: torch.Tensor, weight: torch.Tensor, recipe: NVFP4Recipe) -> None:
-    """In training, wgrad's blocks of 16 run along the tokens.
+    """In training (grad mode on and the weight requiring grad), wgrad's blocks of 16 run along
+    the tokens.
 
     Raises:
         ValueError: a weight gradient to compute in NVFP4 from a token count not a multiple of
             16, with how to pad.
     """
-    if weight.requires_grad and recipe.backward_override is None and x2.shape[0] % BLOCK:
+    if (torch.is_grad_enabled() and weight.requires_grad and recipe.backward_override is None
+            and x2.shape[0] % BLOCK):
         raise ValueError(
             f"NVFP4 wgrad quantizes along tokens in blocks of {BLOCK}: in training the number "
             f"of tokens (product of the input's leading dims) must be a multiple of {BLOCK}, "
@@ -146,7 +130,7 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         sr_seed: int64 scalar, this layer's Philox key (low 32 bits): ``(recipe.seed +
             layer_seed) mod 2**32``.
         sr_step: int64 scalar, advanced by every backward; a backward's SR stream is keyed by
-            ``sr_seed + sr_rank + (sr_step << 32)`` (:func:`sr_key`) with the value before the
+            ``sr_seed + sr_rank + (sr_step << 32)`` (:func:`layer.sr_key`) with the value before the
             advance.
     ``reset_parameters()`` resets them too, and moving the layer off the meta device
     (``to_empty``) sets them, so a model built on the meta device and materialized gets the same
@@ -163,7 +147,11 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
 
     A weight that is a DTensor sharded over a 1-D mesh (``parallelize_module`` with
     ``ColwiseParallel`` / ``RowwiseParallel``) makes the layer tensor parallel:
-    ``distributed.tensor_parallel_forward``.
+    ``tensor_parallel.tensor_parallel_forward``.
+
+    ``NVFP4Linear.from_module(linear, recipe, layer_seed)`` makes one from an nn.Linear, sharing
+    its weight and bias Parameters (an optimizer built before keeps them); :meth:`dequantize`
+    gives a plain nn.Linear holding them back.
 
     Raises:
         ValueError: a feature count not a positive multiple of 16; a token count not a multiple of
@@ -171,12 +159,11 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
     """
 
     weight_group = None  # a fused.WeightGroup, set by quantize_
+    KEEPS_ORIGINAL = False  # dequantize() builds a new nn.Linear
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0):
-        for name, n in (("in_features", in_features), ("out_features", out_features)):
-            if n <= 0 or n % BLOCK:
-                raise ValueError(f"NVFP4Linear needs {name} to be a positive multiple of {BLOCK}, got {n}")
+        check_sizes(type(self).__name__, {"in_features": in_features, "out_features": out_features})
         super().__init__(in_features, out_features, bias, device, dtype)
         self._init_nvfp4(recipe, layer_seed, device)
 
@@ -186,23 +173,20 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         if "sr_step" in self._buffers:  # nn.Linear.__init__ calls this before the buffers exist
             self.reset_recipe_buffers()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Optional[NVFP4Recipe] = None,
-                    layer_seed: int = 0) -> "NVFP4Linear":
-        """An NVFP4Linear that shares ``linear``'s weight and bias Parameters (optimizers keep them).
+    def _adopt(self, linear: nn.Linear) -> None:
+        """``linear``'s features and its weight and bias Parameters (:meth:`from_module`)."""
+        self._hold(linear.in_features, linear.out_features, linear.weight, linear.bias)
 
-        Raises:
-            ValueError: a feature count not a positive multiple of 16.
-        """
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
-                  recipe=recipe, layer_seed=layer_seed)
-        new.weight, new.bias = linear.weight, linear.bias
-        new._init_nvfp4(recipe, layer_seed, linear.weight.device)
-        new.train(linear.training)
-        return new
+    def _hold(self, in_features: int, out_features: int, weight: nn.Parameter,
+              bias: Optional[nn.Parameter]) -> None:
+        """Take these features and Parameters, as ``nn.Linear.__init__`` sets its own."""
+        check_sizes(type(self).__name__, {"in_features": in_features, "out_features": out_features})
+        self.in_features, self.out_features = in_features, out_features
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias)
 
-    def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear sharing this layer's weight and bias Parameters."""
+    def dequantize(self) -> nn.Module:
+        """A plain nn.Linear holding this layer's weight and bias Parameters, in its train mode."""
         lin = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
         lin.weight, lin.bias = self.weight, self.bias
         lin.train(self.training)
@@ -237,36 +221,31 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
         _check_dtypes(x, weight, bias)
         backend = backend_name(self.recipe.backend.value, weight.device)
         y_dtype = out_dtype(x)
-        signs = local(self.rht_signs)
         x2 = x.reshape(-1, k)
-        with autocast_off(x.device.type):
-            if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
+        if x2.shape[0] == 0:  # no tokens: no amax to take; nn.Linear's empty result
+            with autocast_off(x.device.type):
                 y = nn.functional.linear(x2.to(weight.dtype), weight, bias).to(y_dtype)
-            elif training(x, weight, bias):
-                _check_tokens(x2, weight, self.recipe)
-                y = gemms.GemmsFn.apply(x2, weight, bias, signs, self.sr_state(), self.recipe,
-                                        backend, y_dtype, _dense(shard, self.shared_weight_amax()))
-            else:
-                w = None if shard is not None else self._cached_weight(weight, backend, signs)
-                amax = None if w is not None else self.shared_weight_amax()
-                y = linear_fprop(resolved(backend), x2, weight, bias, self.recipe, signs,
-                                 y_dtype, False, False, shard, w, False, amax)[0]
-            if self.captured is not None and x2.shape[0] and shard is None:
-                self._capture(x2, y, backend)
+        else:
+            _check_tokens(x2, weight, self.recipe)
+            y = forward_gemms(_dense(shard), x2, weight, bias, self.recipe, local(self.rht_signs),
+                              self.sr_state(), backend, y_dtype,
+                              cache=None if shard is not None else self._cached_weight(backend),
+                              weight_amax=self.shared_weight_amax)
+            if self.captured is not None and shard is None:
+                self._capture(0, x2, weight, y, DenseRecorder(backend, self.captured.keep),
+                              self.shared_weight_amax())
         # _unsafe_view: the (..., N) result is not a view of the (M, N) GEMM output, as with
         # nn.Linear (aten::matmul), so in-place ops and FSDP2 (which warns on views) take it
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], n))
 
-    def _cached_weight(self, weight: torch.Tensor, backend: str,
-                       signs: torch.Tensor) -> Optional[NVFP4Operand]:
-        """fprop's W kept inside :func:`cached_weights` (``cached_operand``), or None. Keyed by
-        the Parameter, whose version counter a transposed view shares, and by the versions of
-        the fused group's weights, whose amax it reads."""
-        group = () if self.weight_group is None else self.weight_group.versions()
-        return self.cached_operand("weight", self.weight, backend, lambda: weight_operands(
-            resolved(backend), weight, quantizers.build(
-                self.recipe, signs, quantizers.FPROP_ONLY,
-                weight_amax=self.shared_weight_amax()).w)[0], depends=group)
+    def _cached_weight(self, backend: str) -> Cache:
+        """``forward_gemms``' cache of fprop's W (``cached_operand``, inside
+        :func:`cached_weights`): keyed by the Parameter, whose version counter a transposed view
+        shares, and by the versions of the fused group's weights, whose amax ``make`` reads."""
+        def cached(make: Callable[[], NVFP4Operand]) -> Optional[NVFP4Operand]:
+            group = () if self.weight_group is None else self.weight_group.versions()
+            return self.cached_operand("weight", self.weight, backend, make, depends=group)
+        return cached
 
     def quantized_weight(self) -> NVFP4Tensor:
         """The weight as fprop quantizes it (the recipe's W spec, the fused group's amax where
@@ -280,34 +259,6 @@ class NVFP4Linear(NVFP4Module, nn.Linear):
             op = get_backend(backend, self.weight.device).quantize(
                 self.fprop_weight(), q.spec, amax_reduce=quantizers.amax_reducer(q))
         return NVFP4Tensor.from_operand(op, self.weight.dtype, backend=backend)
-
-    def _capture(self, x2: torch.Tensor, y: torch.Tensor, backend: str) -> None:
-        """Record the NVFP4 operands of this step's GEMMs (:func:`layer.nvfp4_operands`) in
-        ``self.captured`` (a :class:`Recording`): X, W and X^T now, dY and dY^T when the gradient
-        of ``y`` arrives (X^T, dY and dY^T only where autograd records the call: not on a no-grad
-        eval step). They are quantized again with the step's specs, signs and SR stream, so they
-        are the bits the GEMMs used."""
-        be, rec = get_backend(backend, x2.device), self.captured
-        signs, r, names = self.rht_signs, self.recipe, nvfp4_operands(self.recipe)
-        x2 = x2.detach()
-        keep = functools.partial(recorded, be, backend, rec)  # keep(t, q)
-
-        fwd = quantizers.build(r, signs, _EVERY_COPY, weight_amax=self.shared_weight_amax())
-        with torch.no_grad():
-            if "w" in names:
-                rec.store.update(w=keep(self.fprop_weight().detach(), fwd.w.rowwise),
-                                 x=keep(x2, fwd.x.rowwise))
-            # X^T only where the call makes it (wgrad: autograd records), its blocks along the tokens
-            if "xt" in names and y.requires_grad and x2.shape[0] % BLOCK == 0:
-                rec.store.update(xt=keep(x2.t(), fwd.x.columnwise))
-        if y.requires_grad and "dy" in names:
-            seed = sr_key(*self.sr_state())  # before backward advances it
-
-            def record_dy(dy):
-                q = quantizers.build(r, signs, _EVERY_COPY, dy=tuple(dy.shape), sr_key=seed).dy
-                with torch.no_grad():
-                    rec.store.update(dy=keep(dy, q.rowwise), dyt=keep(dy.t(), q.columnwise))
-            y.register_hook(record_dy)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.recipe_repr()}"

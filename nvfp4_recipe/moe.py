@@ -21,8 +21,8 @@ down_proj (G, H, I); ``forward(hidden_states, top_k_index, top_k_weights)``). ``
 the modules :func:`register_experts` knows, keeping their Parameters.
 """
 
-import fnmatch
-from typing import Callable, Dict, List, Optional, Tuple
+import functools
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +32,16 @@ from . import gemms, quantizers
 from .backends import Backend, resolved
 from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
-from .layer import (NVFP4Module, autocast_off, backend_name, nvfp4_operands, out_dtype, sr_key,
-                    training)
+from .forward import forward_gemms
+from .layer import NVFP4Module, backend_name, check_sizes, out_dtype, size_problem
 from .operand import GroupedOperand, NVFP4Operand
-from .quantizers import Usage
+from .quantizers import OperandQuantizer, TensorQuantizer, Usage
 from .recipe import NVFP4Recipe
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
-           "grouped_grads", "pad_groups", "register_experts", "experts_modules", "router_ids"]
+           "grouped_grads", "pad_groups", "register_experts", "experts_modules", "experts_problem",
+           "router_ids", "GroupedRecorder"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,27 +98,15 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         sr_seed, sr_step: 0-d int64 tensors keying the backward's SR stream (the step advances
             in backward, in place).
         backend: default ``recipe.backend``.
-        sr_rank: this process's data-parallel rank, folded into the SR key (``linear.sr_key``).
+        sr_rank: this process's data-parallel rank, folded into the SR key (``layer.sr_key``).
     Returns:
         (T, N) in the autocast dtype if autocast is on, else x's dtype; zeros past ``offs[-1]``.
     Raises:
         TypeError, ValueError: bad offsets (naming the group), shapes or dtypes.
     """
     check_offsets(offs, x.shape[0])
-    return _grouped_linear(x, w, offs, recipe, signs, (sr_seed, sr_step, sr_rank),
-                           backend_name(backend or recipe.backend.value, w.device))
-
-
-def _grouped_linear(x, w, offs, recipe, signs, sr, backend, wq=None):
-    """:func:`grouped_linear` without the offsets check; ``sr`` = (sr_seed, sr_step, sr_rank);
-    ``wq``: the cached fprop weights (inference only)."""
-    y_dtype = out_dtype(x)
-    with autocast_off(x.device.type):
-        if training(x, w):
-            return gemms.GemmsFn.apply(x, w, None, signs, sr, recipe, backend, y_dtype,
-                                       gemms.Grouped(offs))
-        return grouped_fprop(resolved(backend), x, offs, w, recipe, signs, y_dtype,
-                             False, False, wq)[0]
+    return forward_gemms(gemms.Grouped(offs), x, w, None, recipe, signs, (sr_seed, sr_step, sr_rank),
+                         backend_name(backend or recipe.backend.value, w.device), out_dtype(x))
 
 
 def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
@@ -143,18 +132,58 @@ def pad_groups(counts: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Ten
     return ends.to(torch.int32), dest, (rows + BLOCK - 1) // BLOCK * BLOCK + BLOCK * counts.shape[0]
 
 
+class GroupedRecorder(NamedTuple):
+    """How an experts projection records its operands for ``NVFP4Module._capture``: the token
+    groups of X and dY quantized again as the grouped GEMMs quantize them (``Grouped.tokens``),
+    W per expert (``quantize_experts``), each as an :class:`NVFP4Tensor` kept by ``keep(hp, q)``
+    (``layer.Recording``), in lists of one per token group or expert. Reads the group bounds on
+    the host (eager mode only).
+
+    Fields:
+        backend: the resolved backend name the GEMMs ran on; keep: ``Recording.keep``;
+        offs: int32 (G,) group ends of the call.
+    """
+
+    backend: str
+    keep: Callable[[torch.Tensor, object], object]
+    offs: torch.Tensor
+
+    def weight(self, w: torch.Tensor, q: OperandQuantizer) -> List[object]:
+        """Each expert's W_g (N, K) of w (G, N, K) quantized alone under ``q.spec``, kept."""
+        wq = resolved(self.backend).quantize_experts(w, q.spec, need_t=False)[0]
+        return [self.keep(w[g], NVFP4Tensor.from_operand(expert_slice(wq, g), w.dtype,
+                                                         backend=self.backend))
+                for g in range(w.shape[0])]
+
+    def tokens(self, t: torch.Tensor, q: TensorQuantizer) -> Tuple[Optional[list], Optional[list]]:
+        """(each group's t_g (M_g, K) by ``q.rowwise``, each t_g^T (K, M_g) by ``q.columnwise``),
+        kept, or None where ``q`` has no such copy."""
+        t = t.contiguous()
+        rows, cols, _ = gemms.Grouped(self.offs).tokens(resolved(self.backend), t, q)
+        bounds = group_bounds(self.offs)
+        return (rows and self._groups(rows, q.rowwise, t, bounds, False),
+                cols and self._groups(cols, q.columnwise, t, bounds, True))
+
+    def _groups(self, op: GroupedOperand, q: OperandQuantizer, hp: torch.Tensor, bounds,
+                transpose: bool) -> List[object]:
+        return [self.keep(hp[s:e].t() if transpose else hp[s:e],
+                          NVFP4Tensor.from_operand(group_slice(op, g, s, e), hp.dtype, q.signs,
+                                                   self.backend))
+                for g, (s, e) in enumerate(bounds)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Modules
 # ----------------------------------------------------------------------------------------------
 class NVFP4Experts(NVFP4Module):
     """The base of the NVFP4 experts modules: the grouped projections, one SR stream each
-    (``STREAMS``: the projections' names), and the high-precision module they were converted
-    from.
+    (``STREAMS``: the projections' names), made from a high-precision experts module by
+    ``from_module`` (:meth:`dequantize` gives it back).
 
     Buffers and ``sr_rank``: :class:`layer.NVFP4Module` (``sr_seed`` and ``sr_step`` (P,), one
     per projection, seeded with ``crc32(name_p)`` added). Like ``NVFP4Linear``, the projections
     quantize each expert weight once inside :func:`cached_weights` in forwards without autograd,
-    and ``inspect.capture`` records their operands (:meth:`_capture`). Initialization
+    and ``inspect.capture`` records their operands (:class:`GroupedRecorder`). Initialization
     (``init_weights``, torchtitan's; ``reset_parameters``) is that of the module converted from,
     run on this module's Parameters.
     """
@@ -164,74 +193,12 @@ class NVFP4Experts(NVFP4Module):
     def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
         backend = backend_name(self.recipe.backend.value, w.device)
-        wq = None if training(x, w) else self.cached_operand(
-            self.STREAMS[p], w, backend, lambda: gemms.Grouped.weights(
-                resolved(backend), w, quantizers.build(self.recipe, self.rht_signs,
-                                                       quantizers.FPROP_ONLY).w)[0])
-        y = _grouped_linear(x, w, offs, self.recipe, self.rht_signs, self.sr_state(p), backend, wq)
+        y = forward_gemms(gemms.Grouped(offs), x, w, None, self.recipe, self.rht_signs,
+                          self.sr_state(p), backend, out_dtype(x),
+                          cache=functools.partial(self.cached_operand, self.STREAMS[p], w, backend))
         if self.captured is not None:
-            self._capture(p, x, offs, w, y, backend)
+            self._capture(p, x, w, y, GroupedRecorder(backend, self.captured.keep, offs))
         return y
-
-    def _capture(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
-                 y: torch.Tensor, backend: str) -> None:
-        """Record the operands of projection ``p``'s GEMMs in ``self.captured`` (a
-        :class:`Recording`, under the projection's name): lists with one entry per expert
-        (``"w"``) or per token group (``"x"``, ``"xt"`` now; ``"dy"``, ``"dyt"`` when the gradient
-        of ``y`` arrives; ``"xt"``, ``"dy"``, ``"dyt"`` only where autograd records the call), quantized again with the step's specs, signs and SR stream, so they
-        hold the bits the GEMMs used. Reads the group bounds on the host (eager mode only)."""
-        be, r, signs, rec = resolved(backend), self.recipe, self.rht_signs, self.captured
-        names, bounds, layout = nvfp4_operands(r), group_bounds(offs), gemms.Grouped(offs)
-        record = rec.store.setdefault(self.STREAMS[p], {})
-
-        def groups(op, q, hp, transpose=False):  # q: the operand's OperandQuantizer
-            return [rec.keep(hp[s:e].t() if transpose else hp[s:e],
-                             NVFP4Tensor.from_operand(group_slice(op, g, s, e), hp.dtype, q.signs,
-                                                      backend))
-                    for g, (s, e) in enumerate(bounds)]
-
-        built = quantizers.build(r, signs, Usage(True, True))
-        fwd = quantizers.inspected(built.x)
-        with torch.no_grad():
-            w, x = w.detach(), x.detach()
-            if "w" in names:
-                wq = be.quantize_experts(w, built.w.rowwise.spec, need_t=False)[0]
-                record["w"] = [rec.keep(w[g], NVFP4Tensor.from_operand(
-                    expert_slice(wq, g), w.dtype, backend=backend)) for g in range(w.shape[0])]
-            q = quantizers.TensorQuantizer(fwd.rowwise if "x" in names else None,
-                                           fwd.columnwise if "xt" in names and y.requires_grad
-                                           else None)
-            if q.rowwise or q.columnwise:
-                xq, xt, _ = layout.tokens(be, x, q)
-                if q.rowwise:
-                    record["x"] = groups(xq, q.rowwise, x)
-                if q.columnwise:
-                    record["xt"] = groups(xt, q.columnwise, x, transpose=True)
-        if y.requires_grad and "dy" in names:
-            seed = sr_key(*self.sr_state(p))  # before backward advances it
-
-            def record_dy(dy):
-                q = quantizers.inspected(quantizers.build(
-                    r, signs, Usage(True, True), dy=tuple(dy.shape), sr_key=seed).dy)
-                with torch.no_grad():
-                    dy = dy.contiguous()
-                    dyq, dyt, _ = layout.tokens(be, dy, q)
-                    record.update(dy=groups(dyq, q.rowwise, dy),
-                                  dyt=groups(dyt, q.columnwise, dy, transpose=True))
-            y.register_hook(record_dy)
-
-    def high_precision(self) -> nn.Module:
-        """The high-precision module this one was made from, holding this module's Parameters.
-
-        Raises:
-            ValueError: the module was built directly, not converted from one.
-        """
-        if self._original is None:
-            raise ValueError(f"this {type(self).__name__} was built directly; there is no "
-                             f"high-precision module to return")
-        for name, _ in list(self._original.named_parameters(recurse=False)):
-            setattr(self._original, name, getattr(self, name))  # to_empty made new Parameters
-        return self._original
 
     def init_weights(self, *args, **kwargs) -> None:
         """The converted module's ``init_weights`` (torchtitan's trainer calls it after
@@ -241,12 +208,12 @@ class NVFP4Experts(NVFP4Module):
             ValueError: built directly (no module to delegate to). AttributeError: that module
                 has no ``init_weights``.
         """
-        self.high_precision().init_weights(*args, **kwargs)
+        self.dequantize().init_weights(*args, **kwargs)
 
     def reset_parameters(self) -> None:
         """The converted module's ``reset_parameters`` on this module's Parameters, if it has
         one, and :meth:`reset_recipe_buffers`."""
-        original = self.high_precision()
+        original = self.dequantize()
         if hasattr(original, "reset_parameters"):
             original.reset_parameters()
         self.reset_recipe_buffers()
@@ -279,30 +246,19 @@ class NVFP4GroupedExperts(NVFP4Experts):
                  recipe: Optional[NVFP4Recipe] = None, layer_seed: int = 0, device=None,
                  dtype=None):
         super().__init__()
-        for name, n in (("dim", dim), ("hidden_dim", hidden_dim)):
-            if n <= 0 or n % BLOCK:
-                raise ValueError(f"NVFP4GroupedExperts needs {name} to be a positive multiple of "
-                                 f"{BLOCK}, got {n}")
+        check_sizes(type(self).__name__, {"dim": dim, "hidden_dim": hidden_dim})
         kw = dict(device=device, dtype=dtype)
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self._init_nvfp4(recipe, layer_seed, device)
-        object.__setattr__(self, "_original", None)
 
-    @classmethod
-    def from_experts(cls, experts: nn.Module, recipe: Optional[NVFP4Recipe] = None,
-                     layer_seed: int = 0) -> "NVFP4GroupedExperts":
-        """The NVFP4 module of a torchtitan-style ``GroupedExperts``, sharing its w1, w2, w3
-        Parameters (optimizers keep them); :meth:`high_precision` gives ``experts`` back."""
-        g, hidden, dim = experts.w1.shape
-        new = cls(dim, hidden, g, recipe, layer_seed, device="meta")
-        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        new._init_nvfp4(new.recipe, layer_seed, experts.w1.device)
-        object.__setattr__(new, "_original", experts)
-        new.train(experts.training)
-        return new
+    def _adopt(self, experts: nn.Module) -> None:
+        """A torchtitan-style ``GroupedExperts``' w1, w2, w3 Parameters (``from_module``)."""
+        check_sizes(type(self).__name__, _titan_sizes(experts))
+        self.num_experts = experts.w1.shape[0]
+        self.w1, self.w2, self.w3 = experts.w1, experts.w2, experts.w3
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.w1.shape[2]:
@@ -323,22 +279,20 @@ class NVFP4HFExperts(NVFP4Experts):
     (T, H), in hidden_states' dtype (the autocast dtype under autocast). Tokens are sorted by
     expert and each expert's tokens padded to a multiple of 16 inside.
 
-    Projections (SR streams): "gate_up_proj", "down_proj". See :class:`NVFP4Experts`.
+    Made by ``NVFP4HFExperts.from_module(experts, recipe, layer_seed)`` (see
+    :func:`hf_experts_problem` for what is supported), sharing the module's Parameters and
+    ``act_fn``; :meth:`dequantize` gives it back. Projections (SR streams): "gate_up_proj",
+    "down_proj". See :class:`NVFP4Experts`.
     """
 
     STREAMS = ("gate_up_proj", "down_proj")
 
-    def __init__(self, experts: nn.Module, recipe: Optional[NVFP4Recipe] = None,
-                 layer_seed: int = 0):
-        """Wrap ``experts`` (see :func:`hf_experts_problem` for what is supported), sharing its
-        Parameters and ``act_fn``; :meth:`high_precision` gives it back."""
-        super().__init__()
+    def _adopt(self, experts: nn.Module) -> None:
+        """The experts' gate_up_proj and down_proj Parameters and act_fn (``from_module``)."""
+        check_sizes(type(self).__name__, _hf_sizes(experts))
         self.num_experts = experts.gate_up_proj.shape[0]
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.act_fn = experts.act_fn
-        self._init_nvfp4(recipe, layer_seed, experts.gate_up_proj.device)
-        object.__setattr__(self, "_original", experts)
-        self.train(experts.training)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -363,11 +317,16 @@ def _is_param3(m: nn.Module, *names: str) -> bool:
                for n in names)
 
 
-def _dims_problem(named_dims) -> Optional[str]:
-    for name, n in named_dims:
-        if n <= 0 or n % BLOCK:
-            return f"{name}={n} is not a positive multiple of {BLOCK}"
-    return None
+def _titan_sizes(m: nn.Module) -> Dict[str, int]:
+    """The GEMM dimensions of a torchtitan-style ``GroupedExperts`` (w1 (G, hidden, dim))."""
+    _, hidden, dim = m.w1.shape
+    return {"dim": dim, "hidden_dim": hidden}
+
+
+def _hf_sizes(m: nn.Module) -> Dict[str, int]:
+    """The GEMM dimensions of Hugging Face batched experts (gate_up_proj (G, 2I, H))."""
+    _, two_i, h = m.gate_up_proj.shape
+    return {"hidden_size": h, "intermediate_size": two_i // 2, "2 * intermediate_size": two_i}
 
 
 def titan_experts_problem(m: nn.Module) -> Optional[str]:
@@ -376,7 +335,7 @@ def titan_experts_problem(m: nn.Module) -> Optional[str]:
     if m.w2.shape != (g, dim, hidden) or m.w3.shape != (g, hidden, dim):
         return f"w1/w2/w3 shapes {tuple(m.w1.shape)}, {tuple(m.w2.shape)}, {tuple(m.w3.shape)} " \
                f"are not (G, hidden, dim), (G, dim, hidden), (G, hidden, dim)"
-    return _dims_problem((("dim", dim), ("hidden_dim", hidden)))
+    return size_problem(_titan_sizes(m))
 
 
 def hf_experts_problem(m: nn.Module) -> Optional[str]:
@@ -394,9 +353,7 @@ def hf_experts_problem(m: nn.Module) -> Optional[str]:
             return f"{flag}={getattr(m, flag)!r} (NVFP4HFExperts takes {flag}={want})"
     if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         return "a custom _apply_gate"
-    g, two_i, h = m.gate_up_proj.shape
-    return _dims_problem((("hidden_size", h), ("intermediate_size", two_i // 2),
-                          ("2 * intermediate_size", two_i)))
+    return size_problem(_hf_sizes(m))
 
 
 def _is_titan_experts(m: nn.Module) -> bool:
@@ -410,8 +367,8 @@ def _is_hf_experts(m: nn.Module) -> bool:
 
 # (matches, problem, convert(module, recipe, layer_seed)) of each supported experts layout
 _EXPERTS: List[Tuple[Callable, Callable, Callable]] = [
-    (_is_titan_experts, titan_experts_problem, NVFP4GroupedExperts.from_experts),
-    (_is_hf_experts, hf_experts_problem, NVFP4HFExperts),
+    (_is_titan_experts, titan_experts_problem, NVFP4GroupedExperts.from_module),
+    (_is_hf_experts, hf_experts_problem, NVFP4HFExperts.from_module),
 ]
 
 
@@ -435,19 +392,10 @@ def experts_modules(model: nn.Module) -> Dict[str, nn.Module]:
             if isinstance(m, NVFP4Experts) or _entry(m) is not None}
 
 
-def experts_skip_reasons(model: nn.Module, recipe: NVFP4Recipe) -> Dict[str, str]:
-    """fqn -> why ``quantize_`` leaves a known experts module in high precision."""
-    reasons = {}
-    for fqn, m in experts_modules(model).items():
-        if isinstance(m, NVFP4Experts):
-            continue
-        pattern = next((p for p in recipe.keep_bf16 if fnmatch.fnmatchcase(fqn, p)), None)
-        problem = _entry(m)[1](m)
-        if pattern is not None:
-            reasons[fqn] = f"matches keep_bf16 pattern {pattern!r}"
-        elif problem is not None:
-            reasons[fqn] = problem
-    return reasons
+def experts_problem(m: nn.Module) -> Optional[str]:
+    """Why a known experts module (:func:`experts_modules`, not converted) cannot run in NVFP4
+    (its layout's ``problem``), None if it can."""
+    return _entry(m)[1](m)
 
 
 def convert_experts(m: nn.Module, recipe: NVFP4Recipe, layer_seed: int) -> nn.Module:

@@ -21,6 +21,12 @@ global scale is training's ``S_enc`` (with the 4/6 bound where the recipe has on
 compressed-tensors or ``S_dec = 1 / S_enc`` for ModelOpt, so ``fl32(1 / weight_global_scale)`` is
 training's outer scale bit for bit; the members of a fused group (q/k/v, gate/up) share one.
 
+The experts modules of an MoE model (``moe.py``) are written as serving engines load them: one
+NVFP4 linear per expert and projection (``export_experts``: names as ``save_pretrained`` writes
+them, e.g. ``mlp.experts.{e}.gate_proj``), each with the tensors above, its weight fprop's W_g
+(``export_weights.expert_weights``) and each expert's gate and up one global scale; the rest of a
+Hugging Face model is named as ``save_pretrained`` writes it too (``checkpoint_names``).
+
 The directory is written atomically: into a temporary sibling directory renamed into place at the
 end, so a failure leaves ``path`` as it was.
 """
@@ -38,13 +44,17 @@ import torch
 from torch import nn
 
 from . import reference as R
+from .checkpoint_names import saved_layout
 from .conv1d import NVFP4Conv1D
-from .export_weights import ServingWeight, serving_weight, unify_groups
+from .export_experts import (ExpertProjection, expert_groups, expert_projections,
+                             high_precision_experts, record_expert_amaxes)
+from .export_weights import ServingWeight, expert_weights, serving_weight, unify_groups
 from .formats import BLOCK
 from .frozen import NVFP4FrozenLinear
 from .fused import fused_groups
 from .layer import NVFP4Module
 from .linear import NVFP4Linear
+from .moe import NVFP4Experts
 from .spec import Scaling
 from .version import package_version
 
@@ -84,13 +94,21 @@ def serving_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def record_amaxes(model: nn.Module) -> Iterator[Dict[str, torch.Tensor]]:
-    """Record, for each NVFP4 layer of ``model`` (:func:`serving_layers`), the largest ``max |x|``
-    of its input over the forwards run inside the context: the per-tensor amax fprop measured to
-    quantize X.
+    """Record, for each NVFP4 layer of ``model`` (:func:`serving_layers`) and each projection of
+    each expert of its experts modules (``export_experts.expert_projections``), the largest
+    ``max |x|`` of its input over the forwards run inside the context: the per-tensor amax fprop
+    measured to quantize X (for an expert, of the tokens routed to it: the grouped GEMMs quantize
+    each expert's tokens with their own outer scale).
 
-    Yields ``{layer fqn: float32 0-d tensor on the layer's device}``, filled as forwards run (no
-    host sync); :func:`export` turns it into the activation global scales. Run it around a few
-    batches of the data the model will serve (an evaluation pass).
+    Yields ``{served name: float32 0-d tensor on the layer's device}``, filled as forwards run (no
+    host sync for a linear; the experts modules record through ``captured``, as
+    ``inspect.capture`` does, which costs about one more fprop of theirs); :func:`export` turns it
+    into the activation global scales. Run it around a few batches of the data the model will
+    serve (an evaluation pass), not inside ``inspect.capture``. An expert no token reaches records
+    nothing.
+
+    Raises:
+        ValueError: an experts module whose serving layout is unknown (``expert_projections``).
     """
     amaxes: Dict[str, torch.Tensor] = {}
 
@@ -100,9 +118,11 @@ def record_amaxes(model: nn.Module) -> Iterator[Dict[str, torch.Tensor]]:
             amaxes[fqn] = torch.maximum(amaxes[fqn], amax) if fqn in amaxes else amax
         return record
 
+    experts = expert_projections(_base_model(model))
     handles = [m.register_forward_pre_hook(hook(fqn)) for fqn, m in serving_layers(model).items()]
     try:
-        yield amaxes
+        with record_expert_amaxes(experts, amaxes):
+            yield amaxes
     finally:
         for handle in handles:
             handle.remove()
@@ -161,20 +181,46 @@ def _amax_value(fqn: str, value: Union[float, int, torch.Tensor]) -> torch.Tenso
     return amax
 
 
-def _input_amaxes(layers: Dict[str, nn.Module], input_amax, groups) -> Optional[Dict[str, torch.Tensor]]:
-    """The validated input amaxes of ``layers``, each fused group's members given the group's
-    largest (they read one input; servers keep one input scale per fused GEMM), or None.
+def _with_unrouted_experts(experts: Dict[str, ExpertProjection], input_amax) -> dict:
+    """``input_amax`` with an entry for each expert projection that has none (no token was routed
+    to the expert while the amaxes were recorded): the largest amax recorded for that Parameter of
+    its module, logged. A Parameter no expert recorded stays without entries.
+
+    Raises:
+        ValueError: a bad recorded value (:func:`_amax_value`).
+    """
+    out = dict(input_amax)
+    siblings: Dict[Tuple[str, str], List[str]] = {}
+    for name, p in experts.items():
+        siblings.setdefault((p.fqn, p.param), []).append(name)
+    for (fqn, param), names in siblings.items():
+        missing = [n for n in names if n not in input_amax]
+        recorded = [_amax_value(n, input_amax[n]) for n in names if n in input_amax]
+        if missing and recorded:
+            out.update(dict.fromkeys(missing, torch.stack(recorded).amax()))
+            log.warning("export: %d experts of %s had no token routed to them while input_amax was "
+                        "recorded; their %s input scale is from the largest amax of the others",
+                        len({experts[n].expert for n in missing}), fqn, param)
+    return out
+
+
+def _input_amaxes(names: List[str], experts: Dict[str, ExpertProjection], input_amax, groups
+                  ) -> Optional[Dict[str, torch.Tensor]]:
+    """The validated input amaxes of the served linears ``names`` (``experts`` among them: an
+    unrouted expert gets :func:`_with_unrouted_experts`'), each fused group's members given the
+    group's largest (they read one input; servers keep one input scale per fused GEMM), or None.
 
     Raises:
         ValueError: a layer without an entry, or a bad value (:func:`_amax_value`).
     """
     if input_amax is None:
         return None
-    missing = [fqn for fqn in layers if fqn not in input_amax]
+    input_amax = _with_unrouted_experts(experts, input_amax)
+    missing = [fqn for fqn in names if fqn not in input_amax]
     if missing:
         raise ValueError(f"export: input_amax has no entry for {len(missing)} NVFP4 layers, e.g. "
                          f"{missing[0]!r}: record_amaxes records a layer only when it runs")
-    amaxes = {fqn: _amax_value(fqn, input_amax[fqn]) for fqn in layers}
+    amaxes = {fqn: _amax_value(fqn, input_amax[fqn]) for fqn in names}
     for fqns in groups:
         shared = torch.stack([amaxes[f] for f in fqns]).amax()
         amaxes.update(dict.fromkeys(fqns, shared))
@@ -203,14 +249,20 @@ def _tied(model: nn.Module, layers: Dict[str, nn.Module]) -> List[str]:
     return [fqn for fqn, m in layers.items() if isinstance(m, NVFP4Linear) and owners[id(m.weight)] > 1]
 
 
-def _check_layers(layers: Dict[str, nn.Module], allow_per_token: bool) -> None:
+def _experts_modules(experts: Dict[str, ExpertProjection]) -> Dict[str, NVFP4Experts]:
+    """fqn -> experts module of the projections ``experts``."""
+    return {p.fqn: p.module for p in experts.values()}
+
+
+def _check_layers(layers: Dict[str, nn.Module], experts: Dict[str, ExpertProjection],
+                  allow_per_token: bool) -> None:
     """Raises ValueError for no layer, an NVFP4Conv1D, or a per-token recipe without
     ``allow_per_token`` (see :func:`export`)."""
-    if not layers:
-        raise ValueError("export: the model has no NVFP4 layer (NVFP4Linear or NVFP4FrozenLinear) "
-                         "to write in NVFP4 (quantize_ a model with an NVFP4Recipe that leaves a "
-                         "linear in NVFP4, or load_frozen a checkpoint)")
-    for fqn, layer in layers.items():
+    if not layers and not experts:
+        raise ValueError("export: the model has no NVFP4 layer (NVFP4Linear, NVFP4FrozenLinear or "
+                         "NVFP4 experts) to write in NVFP4 (quantize_ a model with an NVFP4Recipe "
+                         "that leaves a linear in NVFP4, or load_frozen a checkpoint)")
+    for fqn, layer in {**layers, **_experts_modules(experts)}.items():
         if isinstance(layer, NVFP4Conv1D):
             raise ValueError(f"export: {fqn} is an NVFP4Conv1D (GPT-2's Conv1D, weight stored (in, "
                              f"out)); the serving layouts hold nn.Linear weights (out, in)")
@@ -228,9 +280,9 @@ def check_exportable(model: nn.Module, allow_per_token: bool = False) -> None:
 
     Raises:
         ValueError: no NVFP4 layer; an NVFP4Conv1D; a per-token recipe without
-            ``allow_per_token``.
+            ``allow_per_token``; an experts module whose serving layout is unknown.
     """
-    _check_layers(serving_layers(model), allow_per_token)
+    _check_layers(serving_layers(model), expert_projections(_base_model(model)), allow_per_token)
 
 
 def _check_args(model: nn.Module, path: str, fmt: str, input_amax, allow_per_token: bool) -> None:
@@ -249,23 +301,21 @@ def _check_args(model: nn.Module, path: str, fmt: str, input_amax, allow_per_tok
     _check_materialized(model)
 
 
-def _high_precision_state(model: nn.Module, layers: Dict[str, nn.Module]) -> Dict[str, torch.Tensor]:
-    """The model's state dict without the exported layers (their NVFP4 tensors and bias are
-    written instead; a PEFT LoRA layer's adapters are dropped with a warning) and without the
-    other NVFP4 modules' recipe buffers."""
+def _high_precision_state(model: nn.Module, layers: Dict[str, nn.Module],
+                          experts: Dict[str, NVFP4Experts]) -> Dict[str, torch.Tensor]:
+    """The model's state dict without the exported layers and experts modules (their NVFP4
+    tensors and bias are written instead; a PEFT LoRA layer's adapters are dropped with a warning)
+    and without the other NVFP4 modules' recipe buffers."""
     drop, exported = set(), {id(m) for m in layers.values()}
     for fqn, m in model.named_modules():
         if isinstance(m, NVFP4Module) and id(m) not in exported:
             drop.update(f"{fqn}.{name}" for name, _ in m.named_buffers(recurse=False))
-            if not isinstance(m, _SERVED):
-                log.warning("export: %s (%s) is exported in high precision: the serving layouts "
-                            "of NVFP4 experts are not written yet", fqn, type(m).__name__)
     adapters = [fqn for fqn, m in layers.items() if model.get_submodule(fqn) is not m]
     if adapters:
         log.warning("export: the LoRA adapters of %s are not merged into the NVFP4 base; the export "
                     "holds the base only (save the adapters with PEFT's save_pretrained and serve "
                     "them with the engine's LoRA support)", ", ".join(adapters))
-    prefixes = tuple(f"{fqn}." for fqn in layers)
+    prefixes = tuple(f"{fqn}." for fqn in [*layers, *experts])
     return {k: v for k, v in model.state_dict().items()
             if k not in drop and not k.startswith(prefixes)}
 
@@ -284,18 +334,28 @@ def _hf_config(model: nn.Module) -> dict:
     return out
 
 
-def _state(model: nn.Module, fmt: str, layers: Dict[str, nn.Module], input_amax, groups
-           ) -> Dict[str, torch.Tensor]:
+def _state(model: nn.Module, fmt: str, layers: Dict[str, nn.Module],
+           experts: Dict[str, ExpertProjection], input_amax, groups) -> Dict[str, torch.Tensor]:
     """Every tensor of the checkpoint: the high-precision state and each layer's NVFP4 tensors
-    (and bias), the fused groups sharing their global scales."""
-    amaxes = _input_amaxes(layers, input_amax, groups)
+    (and bias), named as ``save_pretrained`` writes them, and each expert projection's; the fused
+    groups sharing their global scales."""
+    expert_sets = expert_groups(experts)
+    amaxes = _input_amaxes([*layers, *experts], experts, input_amax, [*groups, *expert_sets])
     weights = unify_groups({fqn: serving_weight(m) for fqn, m in layers.items()}, layers, groups)
-    tensors = _high_precision_state(model, layers)
+    weights.update(expert_weights(experts, expert_sets))
+
+    def nvfp4(name: str) -> Dict[str, torch.Tensor]:
+        amax = None if amaxes is None else amaxes[name]
+        return {f"{name}.{k}": v for k, v in _layer_tensors(fmt, weights[name], amax).items()}
+
+    tensors = _high_precision_state(model, layers, _experts_modules(experts))
     for fqn, layer in layers.items():
-        amax = None if amaxes is None else amaxes[fqn]
-        tensors.update({f"{fqn}.{k}": v for k, v in _layer_tensors(fmt, weights[fqn], amax).items()})
+        tensors.update(nvfp4(fqn))
         if layer.bias is not None:
             tensors[f"{fqn}.bias"] = layer.bias
+    tensors = saved_layout(model, tensors)
+    for name in experts:  # named as saved already
+        tensors.update(nvfp4(name))
     return tensors
 
 
@@ -343,11 +403,17 @@ def export(model: nn.Module, path: str, format: str = "compressed-tensors", *,
     Every NVFP4Linear becomes the NVFP4 weight fprop used (codes and E4M3 scales bit for bit) and
     every NVFP4FrozenLinear its stored weight, in layout ``format``; the members of a fused group
     (q/k/v, gate/up) share one global scale (``export_weights.unify_groups``: quantized again,
-    with a warning giving the error, where training did not share it). A PEFT model is exported
-    as its base (LoRA adapters left out, with a warning). Everything else (embeddings, norms,
-    biases, linears kept in high precision, listed in the config's ignore / exclude_modules) is
-    written as it is in the state dict. An NVFP4 lm_head tied to the input embedding is exported
-    in high precision (the embedding's tensor, which a server ties it to) with a warning.
+    with a warning giving the error, where training did not share it). Every NVFP4 experts
+    module becomes one NVFP4 linear per expert and projection (``export_experts``), each expert's
+    W_g as fprop quantizes it, its gate and up sharing one global scale (torchtitan's w1/w3,
+    quantized apart in training, quantized again with the larger amax where they differ, with a
+    warning giving the error). A PEFT model is exported as its base (LoRA adapters left out, with
+    a warning). Everything else (embeddings, norms, biases, linears and experts kept in high
+    precision, listed in the config's ignore / exclude_modules: the linears, and the per-expert
+    linears of Hugging Face experts) is written as it is in the state dict, a Hugging Face
+    model's tensors under the names ``save_pretrained`` gives them (``checkpoint_names``). An
+    NVFP4 lm_head tied to the input embedding is exported in high precision (the embedding's
+    tensor, which a server ties it to) with a warning.
 
     Activation global scales, from ``input_amax`` (:func:`record_amaxes`: the largest per-tensor
     amax of each layer's input seen): ``2688 / amax`` (compressed-tensors ``input_global_scale``,
@@ -356,14 +422,16 @@ def export(model: nn.Module, path: str, format: str = "compressed-tensors", *,
     compressed-tensors export declares the activations ``dynamic: true``, which only
     compressed-tensors itself (transformers) runs, without a global scale (docs/serving.md says
     what that loses); vLLM's and SGLang's W4A4 kernels need ``input_amax``, as ModelOpt does.
+    Each expert projection gets its expert's amax; an expert no recorded token reached gets the
+    largest of its module's others, with a warning.
 
     Args:
-        model: a model with NVFP4Linear (``quantize_``) or NVFP4FrozenLinear (``load_frozen``)
-            layers, materialized, any device.
+        model: a model with NVFP4Linear or NVFP4 experts modules (``quantize_``) or
+            NVFP4FrozenLinear (``load_frozen``) layers, materialized, any device.
         path: a directory that does not exist or is empty; written atomically.
         format: "compressed-tensors" or "modelopt".
-        input_amax: {layer fqn: amax} for every NVFP4 layer (a float or a one-element float
-            tensor, finite and > 0), or None (see above).
+        input_amax: {served name: amax} for every NVFP4 layer and expert projection (a float or
+            a one-element float tensor, finite and > 0), or None (see above).
         config: the model's configuration for config.json (default: a Hugging Face model's
             config as ``save_pretrained`` writes it, ``architectures`` and ``dtype`` included;
             else nothing); ``quantization_config`` is added to it.
@@ -376,7 +444,8 @@ def export(model: nn.Module, path: str, format: str = "compressed-tensors", *,
         TypeError: ``model`` is not an nn.Module.
         ValueError: an unknown format; ``path`` is a file or a non-empty directory; no NVFP4
             layer in the model; an NVFP4Conv1D; a per-token recipe without ``allow_per_token``;
-            a parameter or buffer on the meta device or not finite; a layer missing from
+            an experts module whose serving layout is unknown; a parameter or buffer on the meta
+            device or not finite; a layer (or every expert of a module) missing from
             ``input_amax`` or an amax that is not finite and > 0 (or no ``input_amax`` for
             ModelOpt). Nothing is written then.
         ImportError: safetensors is not installed (``pip install 'nvfp4-recipe[export]'``).
@@ -384,11 +453,12 @@ def export(model: nn.Module, path: str, format: str = "compressed-tensors", *,
     _check_args(model, path, format, input_amax, allow_per_token)
     base = _base_model(model)
     layers = serving_layers(model)
+    experts = expert_projections(base)
     for fqn in _tied(base, layers):
         log.warning("export: %s is tied to another module's weight (tie_word_embeddings): it is "
                     "exported in high precision, as the server ties it, not as trained in NVFP4", fqn)
         del layers[fqn]
-    if not layers:
+    if not layers and not experts:
         raise ValueError("export: the model's only NVFP4 layers are tied to high-precision "
                          "weights; nothing would be exported in NVFP4")
     exported = {id(m) for m in layers.values()}
@@ -397,9 +467,10 @@ def export(model: nn.Module, path: str, format: str = "compressed-tensors", *,
         log.warning("export: no input_amax: the activations are declared dynamic, which vLLM's and "
                     "SGLang's NVFP4 W4A4 kernels do not run (they read input_global_scale); pass "
                     "input_amax from record_amaxes for them (docs/serving.md)")
-    tensors = _unique_storage(_state(base, format, layers, input_amax, groups))
+    tensors = _unique_storage(_state(base, format, layers, experts, input_amax, groups))
     ignore = [fqn for fqn, m in base.named_modules()
               if isinstance(m, nn.Linear) and fqn not in layers and not _inside(fqn, layers)]
+    ignore += high_precision_experts(base)  # else vLLM reads the served experts as NVFP4
     config = dict(_hf_config(base) if config is None else config)
     files = {}
     if format == "compressed-tensors":

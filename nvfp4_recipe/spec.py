@@ -10,7 +10,7 @@ of TransformerEngine (``NVFP4Quantizer``) and float8_experimental's ``GemmInputR
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Optional, Tuple, Type, TypeVar
 
 E = TypeVar("E", bound=enum.Enum)
@@ -213,3 +213,16 @@ class QuantSpec:
     @property
     def per_token(self) -> bool:
         return self.scaling is Scaling.PER_TOKEN
+
+
+def _types_defined_here() -> Tuple[type, ...]:
+    """Every enum with members and every dataclass this module defines, in definition order."""
+    return tuple(v for v in list(globals().values())
+                 if isinstance(v, type) and v.__module__ == __name__
+                 and (is_dataclass(v) or (issubclass(v, enum.Enum) and len(v) > 0)))
+
+
+# What specs and the backends' typed arguments are made of: the operator boundary
+# (backends/operators.py) encodes and decodes exactly these, and torch.load(weights_only=True)
+# accepts them in an NVFP4Tensor. Derived, so an enum or dataclass added above is in it.
+SPEC_TYPES = _types_defined_here()

@@ -20,7 +20,8 @@ from .backends import get_backend
 from .formats import BLOCK
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe, _is_int, parse_signs
-from .spec import FOUR_OVER_SIX_DEFAULT_E4M3_MAX, FourOverSix, FourOverSixError, Form, QuantSpec
+from .spec import (FOUR_OVER_SIX_DEFAULT_E4M3_MAX, SPEC_TYPES, Block, FourOverSix, Form, QuantSpec,
+                   Rounding, Scaling)
 
 
 @functools.lru_cache(maxsize=64)
@@ -90,14 +91,15 @@ class NVFP4Tensor(TorchAOBaseTensor):
         scale: float8_e4m3fn block scales, (..., M, K // 16) for 1d blocks, (M // 16, K // 16) for 2d.
         outer_scale: float32, () per-tensor or (..., M) per-token, equal to amax / (448 * 6)
             (with 4/6, amax / (bound * 6)).
-        rht_signs: (16,) float32 signs if the data holds RHT(x) along K, else None.
-    Attributes: ``block`` ("1d"/"2d"), ``scaling``, ``rounding`` ("rn"/"sr"), ``orig_dtype`` (the
-    logical dtype), ``transposed``: True for the view ``t()`` of a quantized (M, K) tensor, whose
-    logical shape is (K, M) while the blocks still run along the stored last dimension,
-    ``backend``: the backend name its matmuls run on ("auto", "reference", "triton", "native"),
-    and the spec's other fields ``amax_scale`` (None or a float) and ``four_over_six`` (None or a
-    ``FourOverSix``). ``spec`` is the whole :class:`QuantSpec` the data was quantized under, and
-    ``operand`` the stored data as an :class:`NVFP4Operand` carrying it.
+        rht_signs: (16,) float32 signs if the data holds RHT(x) along K (``spec.rht``), else None.
+    Attributes: ``spec``, the :class:`QuantSpec` the data was quantized under (held whole: its
+    fields are read from it, never copied); ``orig_dtype`` (the logical dtype); ``transposed``:
+    True for the view ``t()`` of a quantized (M, K) tensor, whose logical shape is (K, M) while
+    the blocks still run along the stored last dimension; ``backend``: the backend name its
+    matmuls run on ("auto", "reference", "triton", "native"). Read-only, from the spec: ``block``
+    (Block, a str enum: ``== "2d"`` holds), ``scaling``, ``rounding``, ``amax_scale`` (None or a
+    float) and ``four_over_six`` (None or a ``FourOverSix``). ``operand`` is the stored data as an
+    :class:`NVFP4Operand` carrying the spec.
 
     Build one with :meth:`from_hp`; inspect it with ``repr``; get a dense tensor with
     :meth:`dequantize`. ``t.to(device)`` keeps it NVFP4; ``t.to(dtype)`` changes only the logical
@@ -120,32 +122,65 @@ class NVFP4Tensor(TorchAOBaseTensor):
     """
 
     tensor_data_names = ["qdata", "scale", "outer_scale"]
-    tensor_attribute_names = ["block", "scaling", "rounding", "orig_dtype", "transposed", "backend"]
+    # the spec is one attribute: flattened whole (frozen and hashable, a compile-time constant)
+    tensor_attribute_names = ["spec", "orig_dtype", "transposed", "backend"]
     optional_tensor_data_names = ["rht_signs"]
-    optional_tensor_attribute_names = ["amax_scale", "four_over_six"]
 
-    def __new__(cls, qdata, scale, outer_scale, block, scaling, rounding, orig_dtype, transposed,
-                backend="auto", rht_signs=None, amax_scale=None, four_over_six=None):
+    def __new__(cls, qdata, scale, outer_scale, spec, orig_dtype, transposed, backend="auto",
+                rht_signs=None):
         shape = list(qdata.shape[:-1]) + [qdata.shape[-1] * 2]
         if transposed:
             shape[-2], shape[-1] = shape[-1], shape[-2]
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=orig_dtype,
                                                    device=qdata.device, requires_grad=False)
 
-    def __init__(self, qdata, scale, outer_scale, block, scaling, rounding, orig_dtype, transposed,
-                 backend="auto", rht_signs=None, amax_scale=None, four_over_six=None):
+    def __init__(self, qdata, scale, outer_scale, spec, orig_dtype, transposed, backend="auto",
+                 rht_signs=None):
+        """The tensor holding these fields as they are (see the class docstring); build one with
+        :meth:`from_hp` or :meth:`from_operand`.
+
+        Raises:
+            TypeError: ``spec`` is not a QuantSpec.
+            ValueError: ``rht_signs`` given without ``spec.rht``, or missing with it.
+        """
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"NVFP4Tensor: spec must be a QuantSpec, got {spec!r}")
+        if spec.rht != (rht_signs is not None):
+            raise ValueError(f"NVFP4Tensor: the spec has rht={spec.rht}, but rht_signs is "
+                             f"{'None' if rht_signs is None else 'given'}")
         self.qdata = qdata
         self.scale = scale
         self.outer_scale = outer_scale
-        self.block = block
-        self.scaling = scaling
-        self.rounding = rounding
+        self.spec = spec
         self.orig_dtype = orig_dtype
         self.transposed = transposed
         self.backend = backend
         self.rht_signs = rht_signs
-        self.amax_scale = amax_scale
-        self.four_over_six = four_over_six
+
+    @property
+    def block(self) -> Block:
+        """``spec.block``: Block.D1 ("1d", 1x16 scales) or Block.D2 ("2d", 16x16)."""
+        return self.spec.block
+
+    @property
+    def scaling(self) -> Scaling:
+        """``spec.scaling``: Scaling.PER_TENSOR ("per_tensor") or PER_TOKEN ("per_token")."""
+        return self.spec.scaling
+
+    @property
+    def rounding(self) -> Rounding:
+        """``spec.rounding``: Rounding.RN ("rn") or SR ("sr")."""
+        return self.spec.rounding
+
+    @property
+    def amax_scale(self) -> Optional[float]:
+        """``spec.amax_scale``: None, or the amax estimation factor."""
+        return self.spec.amax_scale
+
+    @property
+    def four_over_six(self) -> Optional[FourOverSix]:
+        """``spec.four_over_six``: None, or the 4/6 block scaling."""
+        return self.spec.four_over_six
 
     # ------------------------------------------------------------------ construction / export
     @classmethod
@@ -221,22 +256,11 @@ class NVFP4Tensor(TorchAOBaseTensor):
             ValueError: ``op`` holds inner values, not codes (``op.form``), or ``rht_signs`` is
                 given without ``op.spec.rht`` or missing with it.
         """
-        spec = op.spec
         if op.form is not Form.CODES:
             raise ValueError(f"from_operand: an NVFP4Tensor holds codes; the operand holds "
                              f"{op.form} (quantize it with transient=False)")
-        if spec.rht != (rht_signs is not None):
-            raise ValueError(f"from_operand: the operand's spec has rht={spec.rht}, but rht_signs "
-                             f"is {'None' if rht_signs is None else 'given'}")
-        return cls(op.qdata, op.scale, op.outer_scale, spec.block.value, spec.scaling.value,
-                   spec.rounding.value, orig_dtype, False, backend, rht_signs, spec.amax_scale,
-                   spec.four_over_six)
-
-    @property
-    def spec(self) -> QuantSpec:
-        """The :class:`QuantSpec` the data was quantized under."""
-        return QuantSpec(self.block, self.scaling, self.rounding, self.rht_signs is not None,
-                         self.amax_scale, self.four_over_six)
+        return cls(op.qdata, op.scale, op.outer_scale, op.spec, orig_dtype, False, backend,
+                   rht_signs)
 
     @property
     def operand(self) -> NVFP4Operand:
@@ -255,15 +279,13 @@ class NVFP4Tensor(TorchAOBaseTensor):
         return x.to(output_dtype or self.orig_dtype)
 
     def _with(self, qdata=None, scale=None, outer_scale=None, **attrs) -> "NVFP4Tensor":
-        """A copy with some fields replaced."""
+        """A copy with some tensors or attributes (``tensor_attribute_names``) replaced."""
         kw = {name: getattr(self, name) for name in self.tensor_attribute_names}
         kw.update(attrs)
         return NVFP4Tensor(self.qdata if qdata is None else qdata,
                            self.scale if scale is None else scale,
                            self.outer_scale if outer_scale is None else outer_scale,
-                           kw["block"], kw["scaling"], kw["rounding"], kw["orig_dtype"],
-                           kw["transposed"], kw["backend"], self.rht_signs, self.amax_scale,
-                           self.four_over_six)
+                           rht_signs=self.rht_signs, **kw)
 
     def gemm_operand(self) -> NVFP4Operand:
         """This tensor as a GEMM operand with blocks along its logical reduction dim (the last).
@@ -273,7 +295,7 @@ class NVFP4Tensor(TorchAOBaseTensor):
         """
         if not self.transposed:
             return self.operand
-        if self.block == "2d":
+        if self.block is Block.D2:
             return R.transpose_2d(self.operand)
         raise ValueError("a transposed 1d NVFP4Tensor has its blocks along the wrong dimension for "
                          "this operand position; quantize the transpose instead")
@@ -290,16 +312,16 @@ class NVFP4Tensor(TorchAOBaseTensor):
     def __reduce_ex__(self, protocol):
         """Pickle as its plain tensors and attributes, the block scales as their bits: plain
         pickle cannot load a float8 tensor (torch 2.13 pickles its storage without the dtype)."""
-        names = (self.tensor_attribute_names + self.optional_tensor_data_names
-                 + self.optional_tensor_attribute_names)
+        names = self.tensor_attribute_names + self.optional_tensor_data_names
         return _from_pickle, (self.qdata, self.scale.view(torch.uint8), self.outer_scale,
                               *(getattr(self, name) for name in names))
 
     # ------------------------------------------------------------------ REPL
     def __repr__(self) -> str:
         head = (f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, device={self.device},\n"
-                f"  block={self.block} ({'16x16' if self.block == '2d' else '1x16'} E4M3 scales), "
-                f"scaling={self.scaling}, rounding={self.rounding}, rht={self.rht_signs is not None}"
+                f"  block={self.block} ({'16x16' if self.block is Block.D2 else '1x16'} E4M3 scales), "
+                f"scaling={self.scaling}, rounding={self.rounding}, rht={self.spec.rht}"
+                f"{'' if self.amax_scale is None else f', amax_scale={self.amax_scale:g}'}"
                 f"{self._four_over_six_repr()}{', transposed view' if self.transposed else ''}")
         if (torch.compiler.is_compiling() or isinstance(self.qdata, FakeTensor) or self.qdata.is_meta
                 or self.numel() == 0):
@@ -336,8 +358,8 @@ class NVFP4Tensor(TorchAOBaseTensor):
         row = self.qdata.reshape(-1, self.qdata.shape[-1])[:1, :BLOCK // 2]
         scale = self.scale.reshape(-1, self.scale.shape[-1])[:1, :1]
         outer = self.outer_scale.reshape(-1)[:1]
-        vals = R.dequantize(NVFP4Operand(row, scale, outer.reshape(()) if self.scaling == "per_tensor"
-                                         else outer))
+        outer = outer if self.spec.per_token else outer.reshape(())
+        vals = R.dequantize(NVFP4Operand(row, scale, outer))
         return "[" + ", ".join(f"{v:.4g}" for v in vals.reshape(-1)[:8].tolist()) + "]"
 
 
@@ -420,7 +442,7 @@ def _flatten_rows(x: NVFP4Tensor) -> NVFP4Tensor:
     """(..., M, K) -> (prod(...) * M, K), a view of the stored data (1d blocks, not transposed)."""
     if x.dim() == 2:
         return x
-    if x.transposed or x.block != "1d":
+    if x.transposed or x.block is not Block.D1:
         raise ValueError("only a non-transposed 1d NVFP4Tensor can have leading dimensions")
     outer = x.outer_scale.reshape(-1) if x.outer_scale.dim() else x.outer_scale
     return x._with(x.qdata.reshape(-1, x.qdata.shape[-1]), x.scale.reshape(-1, x.scale.shape[-1]), outer)
@@ -465,7 +487,7 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     x, shape = args[0], list(args[1])
     shape = _infer_shape(shape, x.numel())
-    if x.transposed or x.block != "1d" or shape[-1] != x.shape[-1] or len(shape) < 2:
+    if x.transposed or x.block is not Block.D1 or shape[-1] != x.shape[-1] or len(shape) < 2:
         raise NotImplementedError(f"{func}: NVFP4Tensor supports reshaping its leading dims only "
                                   f"(last dim kept, 1d blocks, not transposed); {tuple(x.shape)} -> {tuple(shape)}")
     lead = shape[:-1]
@@ -507,7 +529,7 @@ def _on_rows(x: NVFP4Tensor, dim: int, take) -> NVFP4Tensor:
 def _select(x: NVFP4Tensor, dim: int, index: int) -> NVFP4Tensor:
     """x[..., index, ...] along the logical row dim ``dim`` (1d blocks)."""
     dim = _row_dim(x, dim)
-    if x.block == "2d":
+    if x.block is Block.D2:
         raise ValueError(f"indexing one row of a 2d-blocked NVFP4Tensor would split its {BLOCK}x{BLOCK} "
                          f"tiles; slice at multiples of {BLOCK} rows")
     return _on_rows(x, dim, lambda t, d: t.select(d, index))
@@ -523,7 +545,7 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     x, dim, start, end, step = list(args) + [0, None, None, 1][len(args) - 1:]
     dim = _row_dim(x, dim)
-    if x.block == "1d":
+    if x.block is Block.D1:
         out = _on_rows(x, dim, lambda t, d: aten.slice.Tensor(t, d, start, end, step))
         return return_and_correct_aliasing(func, args, kwargs, out)
     start, end = _clip(start, end, x.qdata.shape[dim])
@@ -573,10 +595,40 @@ def _(func, types, args, kwargs):
     return aten._to_copy.default(x, dtype=kw["dtype"], device=kw["device"])
 
 
+# The attributes, in order, that an NVFP4Tensor pickled before it held its spec (versions up to
+# 2026-11-28): the spec's fields one by one (amax_scale and four_over_six from 2026-11-27 on).
+_FIELD_BY_FIELD = ("block", "scaling", "rounding", "orig_dtype", "transposed", "backend",
+                   "rht_signs", "amax_scale", "four_over_six")
+_SPEC_FIELDS = ("block", "scaling", "rounding", "amax_scale", "four_over_six")
+
+
+def _with_spec(attributes: dict) -> dict:
+    """The attributes of a tensor pickled field by field, the spec's fields (``_SPEC_FIELDS``,
+    the RHT from ``rht_signs``) gathered into ``spec``; the others as they are."""
+    rest = {k: v for k, v in attributes.items() if k not in _SPEC_FIELDS}
+    fields = {k: v for k, v in attributes.items() if k in _SPEC_FIELDS}
+    return dict(rest, spec=QuantSpec(rht=rest.get("rht_signs") is not None, **fields))
+
+
 def _from_pickle(qdata, scale_bits, outer_scale, *attributes) -> NVFP4Tensor:
     """The tensor ``NVFP4Tensor.__reduce_ex__`` pickled (a stable name: pickles refer to it)."""
-    return NVFP4Tensor(qdata, scale_bits.view(torch.float8_e4m3fn), outer_scale, *attributes)
+    scale = scale_bits.view(torch.float8_e4m3fn)
+    if not isinstance(attributes[0], QuantSpec):  # pickled field by field
+        return NVFP4Tensor(qdata, scale, outer_scale,
+                           **_with_spec(dict(zip(_FIELD_BY_FIELD, attributes))))
+    return NVFP4Tensor(qdata, scale, outer_scale, *attributes)
 
 
-# the spec fields an NVFP4Tensor holds besides strings: a 4/6 setting
-torch.serialization.add_safe_globals([NVFP4Tensor, _from_pickle, FourOverSix, FourOverSixError])
+_torchao_setstate = NVFP4Tensor.__setstate__
+
+
+def _setstate(self: NVFP4Tensor, state: dict) -> None:
+    """torchao's ``__setstate__`` (a file written with torch.Tensor's reduction, before
+    ``__reduce_ex__``), the spec gathered from the fields of one written field by field."""
+    _torchao_setstate(self, state if "spec" in state else _with_spec(state))
+
+
+NVFP4Tensor.__setstate__ = _setstate  # after the class: torchao's __init_subclass__ sets its own
+
+# the types an NVFP4Tensor's pickle holds besides tensors and strings: the spec's
+torch.serialization.add_safe_globals([NVFP4Tensor, _from_pickle, *SPEC_TYPES])

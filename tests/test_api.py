@@ -13,6 +13,7 @@ from torch import nn
 import nvfp4_recipe as nr
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.api import skip_reasons
+from nvfp4_recipe.layer import NVFP4Module
 
 
 class Net(nn.Module):
@@ -282,3 +283,52 @@ def test_tensor_stats_reports_non_finite_input(bad):
     x.view(-1)[idx] = bad
     stats = nr.tensor_stats(x)
     assert math.isnan(stats["sqnr_db"]) and stats["non_finite"] == 3
+
+
+def test_conversion_builds_each_module_once_from_the_one_it_replaces(monkeypatch):
+    """``from_module`` (quantize_'s conversion) makes every kind of NVFP4 module: the recipe state
+    once (one ``_init_nvfp4``), the Parameters the same objects, no random number drawn, the train
+    mode kept; ``dequantize_`` gives back a plain nn.Linear holding them, or the Conv1D and the
+    experts modules themselves."""
+    from test_linear import Conv1D
+    from test_moe import GroupedExperts, tiny_qwen3_moe
+    hf_experts = tiny_qwen3_moe().model.layers[0].mlp.experts
+    model = nn.ModuleDict({"linear": nn.Linear(32, 48), "conv": Conv1D(48, 32),
+                           "experts": GroupedExperts(32, 48, 4), "hf": hf_experts}).eval()
+    originals = dict(model.named_children())
+    params = {name: p for name, p in model.named_parameters()}
+    inits, init = [], NVFP4Module._init_nvfp4
+    monkeypatch.setattr(NVFP4Module, "_init_nvfp4",
+                        lambda self, *args: (inits.append(type(self).__name__), init(self, *args))[1])
+    rng = torch.get_rng_state()
+    nr.quantize_(model, nr.NVFP4Recipe(backend="reference"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert sorted(inits) == ["NVFP4Conv1D", "NVFP4GroupedExperts", "NVFP4HFExperts", "NVFP4Linear"]
+    assert {n: type(m).__name__ for n, m in model.named_children()} == {
+        "linear": "NVFP4Linear", "conv": "NVFP4Conv1D", "experts": "NVFP4GroupedExperts",
+        "hf": "NVFP4HFExperts"}
+    assert all(not m.training for m in model.modules())
+    assert all(params[name] is p for name, p in model.named_parameters())
+    with torch.no_grad():  # the converted modules run
+        model["linear"](torch.randn(5, 32))
+        model["experts"](torch.randn(8, 32), torch.tensor([4, 0, 4, 0]))
+    nr.dequantize_(model)
+    assert type(model["linear"]) is nn.Linear and not model["linear"].training
+    assert all(model[n] is originals[n] for n in ("conv", "experts", "hf"))
+    assert all(params[name] is p for name, p in model.named_parameters())
+
+
+def test_conversion_errors_name_the_layer_and_the_dimension():
+    from test_linear import Conv1D
+    with pytest.raises(ValueError, match="^NVFP4Linear: out_features=40 is not a positive multiple of 16$"):
+        nr.NVFP4Linear.from_module(nn.Linear(32, 40))
+    with pytest.raises(ValueError, match="^NVFP4Conv1D: in_features=24 is not a positive multiple"):
+        nr.NVFP4Conv1D.from_module(Conv1D(32, 24))
+    with pytest.raises(ValueError, match="^NVFP4GroupedExperts: hidden_dim=0 is not a positive"):
+        nr.NVFP4GroupedExperts(32, 0, 2)
+    with pytest.raises(TypeError, match="NVFP4Conv1D.from_module"):
+        nr.NVFP4Conv1D(Conv1D(32, 32))
+    with pytest.raises(TypeError, match="NVFP4FrozenLinear is not made from a high-precision module"):
+        nr.NVFP4FrozenLinear.from_module(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="NVFP4GroupedExperts was built directly"):
+        nr.dequantize_(nr.NVFP4GroupedExperts(32, 48, 2))

@@ -1,7 +1,8 @@
 """serving.export: the NVFP4 weights training used, read back by the real readers (compressed-tensors,
-Hugging Face from_pretrained) and checked against ModelOpt's documented layout; the main job's
---export round trip."""
+Hugging Face from_pretrained) and checked against ModelOpt's documented layout; MoE experts as
+the per-expert linears serving engines load; the main job's --export round trip."""
 
+import dataclasses
 import json
 import os
 
@@ -269,15 +270,20 @@ def tiny_llama(seed=0, **kw):
 
 
 def trained_llama(recipe, seed=0, **kw):
-    model = N.quantize_(tiny_llama(seed, **kw), recipe)
-    tokens = torch.randint(0, 128, (2, 16))
+    return stepped_and_recorded(N.quantize_(tiny_llama(seed, **kw), recipe), (2, 16))
+
+
+def stepped_and_recorded(model, shape):
+    """An NVFP4 language model after one SGD step on random tokens of ``shape``, and the amaxes
+    one more batch gives."""
+    tokens = torch.randint(0, 128, shape)
     model(tokens).logits.float().square().mean().backward()
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
                 p -= 0.5 * p.grad / p.grad.abs().max()
     with record_amaxes(model) as amaxes:
-        model(torch.randint(0, 128, (2, 16)))
+        model(torch.randint(0, 128, shape))
     return model, amaxes
 
 
@@ -498,3 +504,278 @@ def test_a_failed_export_keeps_the_run_and_the_later_recipes_run(tmp_path, capsy
     assert os.listdir(tmp_path / "export") == ["nvfp4-1d-weights"]
     assert "No space left on device" in capsys.readouterr().err
 
+
+# ---------------------------------------------------------------------------------------------
+# MoE experts: one NVFP4 linear per expert and projection, as serving engines load them
+# ---------------------------------------------------------------------------------------------
+def tiny_moe(arch, seed=0):
+    """A one-layer Qwen3-MoE or Mixtral of 4 experts (intermediate size 32), bfloat16."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+    if arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                   head_dim=16, num_experts=4, **common))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, **common))
+    return model.to(torch.bfloat16)
+
+
+def fprop_experts(model, fqn):
+    """{projection: [the NVFP4Tensor W_g each expert's fprop GEMM used]} of experts module ``fqn``
+    (``capture`` of one evaluation forward)."""
+    with N.capture(model) as ops, torch.no_grad():
+        model(torch.randint(0, 128, (2, 32)))
+    return {p: ops[fqn][p]["w"] for p in ops[fqn]}
+
+
+def served(tensors, name, fmt):
+    """(codes, 1x16 scales, decode global scale (), input decode scale ()) of one served linear."""
+    if fmt == "compressed-tensors":
+        codes, g = tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_global_scale"]
+        return (codes, tensors[f"{name}.weight_scale"], (torch.ones(1) / g).reshape(()),
+                (torch.ones(1) / tensors[f"{name}.input_global_scale"]).reshape(()))
+    return (tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"],
+            tensors[f"{name}.weight_scale_2"], tensors[f"{name}.input_scale"])
+
+
+def within_reader_rounding(got, want):
+    """bf16 ``got`` is ``want`` (fp32) rounded to bf16, or one bf16 ulp beside it: the readers
+    divide by the global scale (compressed-tensors) or multiply the scales first (ModelOpt) where
+    training multiplies by the outer scale last, so an fp32 ulp may move a bf16 rounding."""
+    distance = got.bfloat16().view(torch.int16).int() - want.bfloat16().view(torch.int16).int()
+    return bool(distance.abs().max() <= 1) and torch.equal(got.bfloat16().sign(), want.bfloat16().sign())
+
+
+QWEN_EXPERTS = "model.layers.0.mlp.experts"
+MOE_RECIPES = ["2d", "1d", "4over6-w256"]
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("name", MOE_RECIPES)
+def test_moe_experts_are_exported_per_expert_as_fprop_used_them(tmp_path, fmt, name):
+    """Qwen3-MoE's batched experts become mlp.experts.{e}.gate_proj / up_proj / down_proj NVFP4
+    linears: the codes and 1x16 scales of W_g as the grouped fprop GEMM used them (gate_up_proj[g]'s
+    rows split, so gate and up share W_g's global scale), the 4/6 bound in the global scale, each
+    expert's recorded input amax; the real readers give the fprop weights within their own
+    rounding."""
+    recipe = dataclasses.replace(RECIPES[name], keep_bf16=("lm_head",))
+    model, amaxes = stepped_and_recorded(N.quantize_(tiny_moe("qwen3_moe", len(name)), recipe), (2, 32))
+    used = fprop_experts(model, QWEN_EXPERTS)
+    config, tensors = read(export(model, str(tmp_path / "e"), fmt, input_amax=amaxes))
+    assert not any(k.startswith(f"{QWEN_EXPERTS}.gate_up_proj") or k.startswith(f"{QWEN_EXPERTS}.down_proj")
+                   for k in tensors)
+    for e in range(4):
+        w13, w2 = used["gate_up_proj"][e], used["down_proj"][e]
+        for proj, w, rows in (("gate_proj", w13, slice(0, 32)), ("up_proj", w13, slice(32, 64)),
+                              ("down_proj", w2, slice(0, 64))):
+            fqn = f"{QWEN_EXPERTS}.{e}.{proj}"
+            codes, scale, outer, input_scale = served(tensors, fqn, fmt)
+            n, k = rows.stop - rows.start, w.shape[1]
+            assert (codes.dtype, scale.dtype, outer.dtype) == (torch.uint8, torch.float8_e4m3fn, torch.float32)
+            assert codes.shape == (n, k // 2) and scale.shape == (n, k // 16)
+            assert torch.equal(codes, w.qdata[rows])
+            tile_rows = slice(rows.start // 16, rows.stop // 16)
+            assert torch.equal(bits(scale) if name == "1d" else bits(scale)[::16],
+                               bits(w.scale)[rows if name == "1d" else tile_rows])
+            assert torch.equal(outer, w.outer_scale)  # 1 / S_enc
+            hp = getattr(model.get_submodule(QWEN_EXPERTS), "down_proj" if proj == "down_proj" else "gate_up_proj")
+            bound = 256 if name == "4over6-w256" else 448  # W_g's amax, gate and up sharing it
+            assert torch.equal(outer, R.decode_scale(R.encode_scale(hp[e].detach().abs().amax(), bound)))
+            assert torch.equal(input_scale, R.decode_scale(R.encode_scale(amaxes[fqn])))
+            got = ct_read(tensors, fqn, config) if fmt == "compressed-tensors" else modelopt_read(tensors, fqn)
+            assert within_reader_rounding(got, w.dequantize(torch.float32)[rows])
+        weight = model.get_submodule(QWEN_EXPERTS).gate_up_proj[e].detach()
+        spec = RECIPES[name].spec(N.GemmRole.W_FPROP)
+        assert torch.equal(R.quantize(weight, spec).qdata, w13.qdata)  # the reference's bits
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_a_vllm_style_fused_moe_read_gives_the_trained_experts(tmp_path, fmt):
+    """vLLM's FusedMoE stacks each expert's gate and up into w13 (E, 2I, H/2) with w13's global
+    scale (E, 2) read as [:, 0] (TensorRT-LLM asserts w1's == w3's) and one input scale per expert
+    (FlashInfer kernels: the max over experts); w2 alike. Dequantized so, the experts are the
+    weights the grouped fprop used, and gate and up have one input scale."""
+    model, amaxes = stepped_and_recorded(
+        N.quantize_(tiny_moe("qwen3_moe", 7), N.NVFP4Recipe(keep_bf16=("lm_head",))), (2, 32))
+    used = fprop_experts(model, QWEN_EXPERTS)
+    _, tensors = read(export(model, str(tmp_path / "e"), fmt, input_amax=amaxes))
+    for shards, trained in ((("gate_proj", "up_proj"), used["gate_up_proj"]), (("down_proj",), used["down_proj"])):
+        parts = [[served(tensors, f"{QWEN_EXPERTS}.{e}.{p}", fmt) for p in shards] for e in range(4)]
+        codes = torch.stack([torch.cat([s[0] for s in expert]) for expert in parts])
+        scales = torch.stack([torch.cat([s[1] for s in expert]) for expert in parts])
+        outer = torch.stack([torch.stack([s[2] for s in expert]) for expert in parts])  # (E, shards)
+        inputs = torch.stack([torch.stack([s[3] for s in expert]) for expert in parts])
+        assert torch.equal(outer[:, :1].expand_as(outer), outer)
+        assert torch.equal(inputs[:, :1].expand_as(inputs), inputs)
+        values = e2m1_decode(unpack_nibbles(codes)).unflatten(-1, (-1, 16))
+        got = (values * (scales.float() * outer[:, 0, None, None])[..., None]).flatten(-2)
+        want = torch.stack([w.dequantize(torch.float32) for w in trained])
+        assert torch.equal(got.bfloat16().view(torch.int16), want.bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_exports_load_with_hugging_faces_names(tmp_path, arch):
+    """The experts and the router are named as save_pretrained writes them (Mixtral:
+    block_sparse_moe.experts.{e}.w1 / w3 / w2 and block_sparse_moe.gate), and transformers loads
+    the export: the dense layers as trained, each expert's gate_up_proj and down_proj from its
+    per-expert linears in order. transformers 5.24 drops an NVFP4 expert's weight_global_scale
+    when it dequantizes (huggingface/transformers#48371): its experts come back as codes x block
+    scales, the global scale left out. load_frozen does not read experts (it takes nn.Linear
+    layers)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    model, amaxes = stepped_and_recorded(
+        N.quantize_(tiny_moe(arch, 8), N.NVFP4Recipe(keep_bf16=("lm_head",))), (2, 32))
+    used = fprop_experts(model, QWEN_EXPERTS)
+    path = export(model, str(tmp_path / "e"), input_amax=amaxes)
+    _, tensors = read(path)
+    block, names = (("mlp", ("gate_proj", "up_proj", "down_proj")) if arch == "qwen3_moe"
+                    else ("block_sparse_moe", ("w1", "w3", "w2")))
+    prefix = f"model.layers.0.{block}"
+    assert {k.rsplit(".", 1)[0] for k in tensors if ".experts." in k} == {
+        f"{prefix}.experts.{e}.{n}" for e in range(4) for n in names}
+    assert torch.equal(tensors[f"{prefix}.gate.weight"], model.model.layers[0].mlp.gate.weight)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    experts = loaded.model.layers[0].mlp.experts
+    for param, trained in (("gate_up_proj", used["gate_up_proj"]), ("down_proj", used["down_proj"])):
+        for e, w in enumerate(trained):
+            got = getattr(experts, param)[e].detach().view(torch.int16)
+            served_w = w.dequantize(torch.bfloat16).view(torch.int16)
+            inner = R.dequantize_inner(w).bfloat16().view(torch.int16)  # transformers#48371
+            assert torch.equal(got, served_w) or torch.equal(got, inner)
+    q = model.model.layers[0].self_attn.q_proj.quantized_weight().dequantize()
+    assert torch.equal(loaded.model.layers[0].self_attn.q_proj.weight.view(torch.int16), q.view(torch.int16))
+    assert torch.equal(loaded.model.layers[0].mlp.gate.weight, model.model.layers[0].mlp.gate.weight)
+    with pytest.raises(ValueError, match=rf"checkpoint layer '{prefix}\.experts\.0\.\w+' .*not an nn.Linear"):
+        N.load_frozen(tiny_moe(arch, 9), path)
+
+
+def tiny_lm_moe(seed=0):
+    from nvfp4_recipe.train.model import ModelConfig, TinyLM
+    torch.manual_seed(seed)
+    return TinyLM(ModelConfig(d_model=64, n_layers=1, n_heads=4, d_ff=64, seq_len=32, n_experts=4, top_k=2))
+
+
+def test_torchtitan_experts_share_one_global_scale_per_expert_as_served(tmp_path, caplog):
+    """torchtitan-layout experts (the main job's --moe TinyLM) are written as
+    blocks.0.mlp.experts.{e}.w1 / w3 / w2. Training quantizes w1[g] and w3[g] apart; served as one
+    w13 they get one global scale, so each is the reference quantization with the larger amax of
+    the pair, the WARNING giving the error (the larger-amax member keeps its trained codes); w2[g]
+    is the trained fprop weight; the compressed-tensors decompressor reads them."""
+    model = N.quantize_(tiny_lm_moe(10), N.NVFP4Recipe(keep_bf16=("lm_head",)))
+    tokens = torch.randint(0, 256, (2, 32))
+    with record_amaxes(model) as amaxes, torch.no_grad():
+        model(tokens)
+    with N.capture(model) as ops, torch.no_grad():
+        model(tokens)
+    with caplog.at_level("WARNING", logger="nvfp4_recipe"):
+        config, tensors = read(export(model, str(tmp_path / "e"), input_amax=amaxes))
+    experts = model.blocks[0].mlp.experts
+    spec = N.NVFP4Recipe().spec(N.GemmRole.W_FPROP)
+    line = next(r.getMessage() for r in caplog.records if "blocks.0.mlp.experts:" in r.getMessage())
+    requantized = 0
+    for e in range(4):
+        w1, w3 = experts.w1[e].detach(), experts.w3[e].detach()
+        amax = torch.maximum(w1.abs().amax(), w3.abs().amax()).float()
+        requantized += not torch.equal(w1.abs().amax(), w3.abs().amax())
+        for name, w, trained in (("w1", w1, ops["blocks.0.mlp.experts"]["w1"]["w"][e]),
+                                 ("w3", w3, ops["blocks.0.mlp.experts"]["w3"]["w"][e])):
+            fqn = f"blocks.0.mlp.experts.{e}.{name}"
+            want = R.quantize(w, spec, amax_=amax)
+            assert torch.equal(tensors[f"{fqn}.weight_packed"], want.qdata)
+            assert torch.equal(bits(tensors[f"{fqn}.weight_scale"])[::16], bits(want.scale))
+            assert torch.equal(tensors[f"{fqn}.weight_global_scale"], R.encode_scale(amax).reshape(1))
+            if torch.equal(w.abs().amax().float(), amax):  # the larger amax: as trained
+                assert torch.equal(want.qdata, trained.qdata) and torch.equal(want.scale, trained.scale)
+            assert within_reader_rounding(ct_read(tensors, fqn, config), R.dequantize(want))
+        fqn = f"blocks.0.mlp.experts.{e}.w2"
+        trained = ops["blocks.0.mlp.experts"]["w2"]["w"][e]
+        assert torch.equal(tensors[f"{fqn}.weight_packed"], trained.qdata)
+        assert torch.equal(torch.ones(1) / tensors[f"{fqn}.weight_global_scale"], trained.outer_scale.reshape(1))
+    assert requantized and f"{requantized} experts had different weight global scales" in line
+    assert "w1" in line and "w3" in line
+
+
+def test_expert_input_scales_are_the_ones_fprop_used_and_an_unrouted_expert_gets_the_largest(tmp_path, caplog):
+    """Each expert's input scale (of w1/w3: its tokens; of w2: its SwiGLU output) is the outer
+    scale the grouped GEMM quantized that expert's tokens with; an expert no token reached gets
+    its module's largest, with a warning. A model whose only NVFP4 modules are experts exports."""
+    from nvfp4_recipe.train.model import GroupedExperts
+    torch.manual_seed(11)
+    hp = GroupedExperts(32, 48, 4)
+    for w in hp.parameters():
+        nn.init.normal_(w, std=0.1)
+    model = N.quantize_(nn.ModuleDict({"experts": hp}), N.NVFP4Recipe())
+    x, counts = torch.randn(64, 32), torch.tensor([16, 0, 40, 8])
+    with record_amaxes(model) as amaxes, torch.no_grad():
+        model["experts"](x, counts)
+    with N.capture(model) as ops, torch.no_grad():
+        model["experts"](x, counts)
+    assert not any(k.startswith("experts.1.") for k in amaxes)
+    for e in (0, 2, 3):
+        for proj, operand in (("w1", "w1"), ("w3", "w3"), ("w2", "w2")):
+            used = ops["experts"][operand]["x"][e].outer_scale
+            assert torch.equal(R.decode_scale(R.encode_scale(amaxes[f"experts.{e}.{proj}"])), used)
+    assert torch.equal(amaxes["experts.2.w1"], x[16:56].abs().amax())
+    with caplog.at_level("WARNING", logger="nvfp4_recipe"):
+        _, tensors = read(export(model, str(tmp_path / "e"), input_amax=amaxes))
+    for proj in ("w1", "w3", "w2"):
+        largest = torch.stack([amaxes[f"experts.{e}.{proj}"] for e in (0, 2, 3)]).amax()
+        assert torch.equal(tensors[f"experts.1.{proj}.input_global_scale"], R.encode_scale(largest).reshape(1))
+    assert any("1 experts of experts had no token routed" in r.getMessage() for r in caplog.records)
+    assert not any(k.startswith("experts.w") for k in tensors)
+
+
+def test_expert_recipes_are_checked_like_the_linears(tmp_path):
+    model = N.quantize_(nn.ModuleDict({"experts": tiny_lm_moe(12).blocks[0].mlp.experts}),
+                        N.NVFP4Recipe(scaling="per_token"))
+    with pytest.raises(ValueError, match="experts was trained with per-token activation scales"):
+        export(model, str(tmp_path / "a"))
+    with pytest.raises(ValueError, match=r"input_amax has no entry for 12 NVFP4 layers, e.g. 'experts.0.w1'"):
+        export(model, str(tmp_path / "b"), allow_per_token=True, input_amax={})
+
+
+def test_experts_kept_in_high_precision_are_written_per_expert_and_ignored(tmp_path):
+    """Experts left in high precision (keep_bf16) are written as save_pretrained writes them, one
+    bf16 linear per expert and projection, and named in the ignore list: vLLM's compressed-tensors
+    MoE method looks up ``{experts}.0.gate_proj`` / ``up_proj`` / ``down_proj`` there, else it
+    reads a "Linear"-targeted expert as NVFP4. (transformers 5.24 cannot load such a checkpoint:
+    its compressed-tensors loader collects only packed experts.)"""
+    model, amaxes = stepped_and_recorded(
+        N.quantize_(tiny_moe("qwen3_moe", 13), N.NVFP4Recipe(keep_bf16=("lm_head", "*.experts"))), (2, 16))
+    experts = model.get_submodule(QWEN_EXPERTS)
+    assert not isinstance(experts, N.NVFP4HFExperts)
+    path = export(model, str(tmp_path / "e"), input_amax=amaxes)
+    config, tensors = read(path)
+    names = [f"{QWEN_EXPERTS}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj") for e in range(4)]
+    assert sorted(config["quantization_config"]["ignore"]) == sorted(["lm_head", *names])
+    for e in range(4):
+        assert torch.equal(tensors[f"{QWEN_EXPERTS}.{e}.gate_proj.weight"], experts.gate_up_proj[e, :32])
+        assert torch.equal(tensors[f"{QWEN_EXPERTS}.{e}.up_proj.weight"], experts.gate_up_proj[e, 32:])
+        assert torch.equal(tensors[f"{QWEN_EXPERTS}.{e}.down_proj.weight"], experts.down_proj[e])
+    assert not any(".experts." in k and not k.endswith(".weight") for k in tensors)
+
+
+def test_experts_transformers_saves_stacked_are_refused_in_nvfp4_and_kept_so_in_high_precision(tmp_path):
+    """GraniteMoE's checkpoints hold each layer's experts stacked (``input_linear``,
+    ``output_linear``), which no per-expert NVFP4 layout fits: NVFP4 experts there are refused by
+    name before anything is written; experts kept in high precision are written stacked, as
+    save_pretrained writes them."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+    config = GraniteMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                              num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(14)
+    model = N.quantize_(GraniteMoeForCausalLM(config).to(torch.bfloat16), N.NVFP4Recipe(keep_bf16=("lm_head",)))
+    with pytest.raises(ValueError, match=r"saves model\.layers\.0\.block_sparse_moe\.experts\.gate_up_proj as "
+                                         r"\['model\.layers\.0\.block_sparse_moe\.input_linear\.weight'\]"):
+        export(model, str(tmp_path / "a"))
+    assert not os.path.exists(tmp_path / "a")
+    kept = N.quantize_(GraniteMoeForCausalLM(config).to(torch.bfloat16),
+                       N.NVFP4Recipe(keep_bf16=("lm_head", "*.experts")))
+    config, tensors = read(export(kept, str(tmp_path / "b")))
+    experts = kept.model.layers[0].block_sparse_moe.experts
+    assert torch.equal(tensors["model.layers.0.block_sparse_moe.input_linear.weight"], experts.gate_up_proj)
+    assert config["quantization_config"]["ignore"] == ["lm_head"]

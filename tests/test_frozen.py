@@ -98,6 +98,30 @@ def test_bf16_gemms_use_the_dequantized_weight(tmp_path):
     assert torch.equal(x.grad, dy @ w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_gives_a_linear_holding_the_dequantized_weight(tmp_path, dtype):
+    """``dequantize_`` of a frozen base swaps each NVFP4FrozenLinear for a plain nn.Linear in the
+    layer's dtype: its weight the trained layer's quantized weight dequantized (exact in
+    float32), its bias the checkpoint's, neither requiring grad (the weight was frozen); its
+    forward is the frozen layer's gemm="bf16" one up to rounding."""
+    torch.manual_seed(5)
+    model, path = exported(tmp_path, "modelopt", N.NVFP4Recipe(), dtype)
+    frozen = load_frozen(make(dtype), path, gemm="bf16").eval()
+    x = torch.randn(8, 64, dtype=dtype)
+    with torch.no_grad():
+        want = frozen(x)
+    back = N.dequantize_(frozen)
+    assert [type(m) for m in back] == [nn.LayerNorm, nn.Linear, nn.GELU, nn.Linear]
+    for i in (1, 3):
+        w = model[i].quantized_weight().dequantize(torch.float32)
+        assert back[i].weight.dtype == back[i].bias.dtype == dtype and not back[i].training
+        assert torch.equal(back[i].weight, w.to(dtype)) and torch.equal(back[i].bias, model[i].bias.detach())
+        assert not back[i].weight.requires_grad and not back[i].bias.requires_grad
+    with torch.no_grad():  # up to rounding: nn.Linear adds the bias inside its GEMM
+        ulp = torch.finfo(dtype).eps
+        torch.testing.assert_close(back(x), want, rtol=ulp, atol=ulp * want.abs().max().item())
+
+
 def test_lora_adapters_train_on_the_frozen_base(tmp_path):
     pytest.importorskip("peft")
     from peft import get_peft_model

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.formats import e2m1_decode, e2m1_encode_rn
-from nvfp4_recipe.kernels import four_over_six as F
+from nvfp4_recipe.kernels import four_over_six
 from nvfp4_recipe.kernels import rounding as RD
 from nvfp4_recipe.kernels.quantize import quantize_1d, quantize_2d
 from nvfp4_recipe.spec import FourOverSix, QuantSpec
@@ -26,15 +26,15 @@ def _elementwise_kernel(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + o, mask=o < n, other=1.0)
     if OP == 0:
-        y = F.div_exact(x, 3)
+        y = four_over_six.div_exact(x, 3)
     elif OP == 1:
-        y = F.div_exact(x, 21)
+        y = four_over_six.div_exact(x, 21)
     elif OP == 2:
         y = RD.e2m1_value(x)
     elif OP == 3:
         y = RD.reciprocal(x)
     else:  # whether the whole block's amaxes allow the fp32 divisions
-        y = tl.where(F.in_range(x, x), 1.0, 0.0) + tl.zeros_like(x)
+        y = tl.where(four_over_six.in_range(x, x), 1.0, 0.0) + tl.zeros_like(x)
     tl.store(out_ptr + o, y, mask=o < n)
 
 

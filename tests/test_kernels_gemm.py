@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from nvfp4_recipe import reference as R
-from nvfp4_recipe.kernels import gemm as G
+from nvfp4_recipe.kernels import gemm
 from nvfp4_recipe.kernels.dequantize import dequantize_inner
 from nvfp4_recipe.operand import NVFP4Operand
 from nvfp4_recipe.spec import Block, QuantSpec
@@ -117,7 +117,7 @@ def layout_operands(layout: str, m: int, n: int, k: int, scaling: str, device="c
 # ------------------------------------------------------------------------------------------------
 # Small shapes: the kernel logic under the interpreter on CPU (compiled on a GPU machine)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", G.METHODS)
+@pytest.mark.parametrize("method", gemm.METHODS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
 @pytest.mark.parametrize("form", ["codes", "inner"])
@@ -127,20 +127,21 @@ def test_training_layouts_match_reference(method, layout, scaling, form):
     a, b = layout_operands(layout, 48, 80, 96, scaling, device=DEV, gen=gen)
     bias = torch.randn(b.rows, generator=gen).to(DEV) if layout == "fprop_2d" else None
     ga, gb = (inner(a), inner(b)) if form == "inner" else (a, b)
-    out = G.scaled_mm(ga, gb, bias=bias, out_dtype=torch.float32, method=method)
+    out = gemm.scaled_mm(ga, gb, bias=bias, out_dtype=torch.float32, method=method)
     assert_matches_reference(out, a, b, bias, torch.float32)
     if form == "inner":  # the same bits as from codes
-        assert torch.equal(out, G.scaled_mm(a, b, bias=bias, out_dtype=torch.float32, method=method))
+        assert torch.equal(out, gemm.scaled_mm(a, b, bias=bias, out_dtype=torch.float32,
+                                               method=method))
 
 
-@pytest.mark.parametrize("method", G.METHODS)
+@pytest.mark.parametrize("method", gemm.METHODS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_random_encodings_ragged_shape_with_bias(method, out_dtype):
     gen = torch.Generator().manual_seed(3)
     a = random_operand(40, 160, per_token=True, device=DEV, gen=gen)  # M, N not tile multiples
     b = random_operand(48, 160, "2d", device=DEV, gen=gen)
     bias = torch.randn(48, generator=gen).to(DEV, torch.bfloat16)
-    out = G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype, method=method)
+    out = gemm.scaled_mm(a, b, bias=bias, out_dtype=out_dtype, method=method)
     assert_matches_reference(out, a, b, bias, out_dtype)
 
 
@@ -161,15 +162,15 @@ def test_default_method_rule():
     (cuBLAS splits that K); cuBLAS before sm90. Evaluated with a stand-in 132-SM sm90 GPU."""
     cuda = torch.device("cuda")
     small = (256, 512)  # 2 x 2 tiles of 128 x 256
-    with mock.patch.object(G, "interpreting", lambda: False), \
-            mock.patch.object(G, "num_sms", lambda d: 132):
-        with mock.patch.object(G, "capability", lambda d: (9, 0)):
-            assert G.default_method(*small, G.SPLIT_K_MIN - 16, cuda) == "triton"
-            assert G.default_method(*small, G.SPLIT_K_MIN, cuda) == "cublas"
-            assert G.default_method(16384, 4096, 32768, cuda) == "triton"  # 512 tiles
-        with mock.patch.object(G, "capability", lambda d: (8, 9)):
-            assert G.default_method(16384, 4096, 1024, cuda) == "cublas"
-    assert G.default_method(16384, 4096, 1024, torch.device("cpu")) == "cublas"
+    with mock.patch.object(gemm, "interpreting", lambda: False), \
+            mock.patch.object(gemm, "num_sms", lambda d: 132):
+        with mock.patch.object(gemm, "capability", lambda d: (9, 0)):
+            assert gemm.default_method(*small, gemm.SPLIT_K_MIN - 16, cuda) == "triton"
+            assert gemm.default_method(*small, gemm.SPLIT_K_MIN, cuda) == "cublas"
+            assert gemm.default_method(16384, 4096, 32768, cuda) == "triton"  # 512 tiles
+        with mock.patch.object(gemm, "capability", lambda d: (8, 9)):
+            assert gemm.default_method(16384, 4096, 1024, cuda) == "cublas"
+    assert gemm.default_method(16384, 4096, 1024, torch.device("cpu")) == "cublas"
 
 
 def test_default_method_and_float4_dtype():
@@ -178,11 +179,11 @@ def test_default_method_and_float4_dtype():
     b = random_operand(16, 64, device=DEV, gen=gen)
     fp4 = getattr(torch, "float4_e2m1fn_x2", None)
     qa = a._replace(qdata=a.qdata.view(fp4)) if fp4 is not None else a
-    assert_matches_reference(G.scaled_mm(qa, b), a, b)
+    assert_matches_reference(gemm.scaled_mm(qa, b), a, b)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy
-@pytest.mark.parametrize("method", G.METHODS)
+@pytest.mark.parametrize("method", gemm.METHODS)
 def test_non_finite_outer_scale_propagates(method):
     gen = torch.Generator().manual_seed(5)
     a = random_operand(32, 64, per_token=True, device=DEV, gen=gen)
@@ -190,7 +191,7 @@ def test_non_finite_outer_scale_propagates(method):
     outer = a.outer_scale.clone()
     outer[3] = float("nan")
     outer[7] = float("inf")
-    out = G.scaled_mm(a._replace(outer_scale=outer), b, method=method, out_dtype=torch.float32)
+    out = gemm.scaled_mm(a._replace(outer_scale=outer), b, method=method, out_dtype=torch.float32)
     assert torch.isnan(out[3]).all()
     assert not torch.isfinite(out[7]).any()
     mask = torch.ones(32, dtype=torch.bool, device=DEV)
@@ -202,11 +203,11 @@ def test_empty_dimensions():
     gen = torch.Generator().manual_seed(6)
     a = random_operand(0, 64, device=DEV, gen=gen)
     b = random_operand(16, 64, device=DEV, gen=gen)
-    assert G.scaled_mm(a, b).shape == (0, 16)
+    assert gemm.scaled_mm(a, b).shape == (0, 16)
     a = random_operand(16, 0, device=DEV, gen=gen)
     b = random_operand(8, 0, device=DEV, gen=gen)
     bias = torch.randn(8, generator=gen).to(DEV)
-    out = G.scaled_mm(a, b, bias=bias, out_dtype=torch.float32)
+    out = gemm.scaled_mm(a, b, bias=bias, out_dtype=torch.float32)
     assert torch.equal(out, bias.expand(16, 8))
 
 
@@ -245,17 +246,17 @@ _META = dict(device="meta")
 ])
 def test_bad_input_raises(a, b, error, match):
     with pytest.raises(error, match=match):
-        G.scaled_mm(a, b)
+        gemm.scaled_mm(a, b)
 
 
 def test_bad_options_raise():
     a, b = _ops()
     with pytest.raises(ValueError, match="bias"):
-        G.scaled_mm(a, b, bias=torch.zeros(15))
+        gemm.scaled_mm(a, b, bias=torch.zeros(15))
     with pytest.raises(TypeError, match="out_dtype"):
-        G.scaled_mm(a, b, out_dtype=torch.int32)
+        gemm.scaled_mm(a, b, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="method"):
-        G.scaled_mm(a, b, method="fused")
+        gemm.scaled_mm(a, b, method="fused")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ GPU_SHAPES = [(272, 208, 400), (1024, 768, 2048)]  # (tokens, out features, in f
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("method", G.METHODS)
+@pytest.mark.parametrize("method", gemm.METHODS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
@@ -274,34 +275,35 @@ def test_gpu_training_layouts(device, method, layout, scaling, shape):
     a, b = layout_operands(layout, *shape, scaling, device=device, gen=gen)
     bias = torch.randn(b.rows, generator=gen).to(device, torch.bfloat16)
     out_dtype = torch.bfloat16 if scaling == "per_tensor" else torch.float32
-    out = G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype, method=method)
+    out = gemm.scaled_mm(a, b, bias=bias, out_dtype=out_dtype, method=method)
     assert_matches_reference(out, a, b, bias, out_dtype)
-    assert torch.equal(out, G.scaled_mm(inner(a), inner(b), bias=bias, out_dtype=out_dtype, method=method))
+    assert torch.equal(out, gemm.scaled_mm(inner(a), inner(b), bias=bias, out_dtype=out_dtype,
+                                           method=method))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("method", G.METHODS)
+@pytest.mark.parametrize("method", gemm.METHODS)
 def test_gpu_random_encodings(device, method):
     gen = torch.Generator().manual_seed(11)
     a = random_operand(1040, 1552, per_token=True, device=device, gen=gen)
     b = random_operand(784, 1552, "2d", device=device, gen=gen)
-    out = G.scaled_mm(a, b, method=method, out_dtype=torch.float16)
+    out = gemm.scaled_mm(a, b, method=method, out_dtype=torch.float16)
     assert_matches_reference(out, a, b, None, torch.float16)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("k", [G.SMALL_K, G.SMALL_K + 16])
+@pytest.mark.parametrize("k", [gemm.SMALL_K, gemm.SMALL_K + 16])
 def test_gpu_tile_config_by_k(device, k):
     """K <= SMALL_K takes the 128 x 128, two-programs-per-SM config, a longer K the 128 x 256 one;
     both against the reference at ragged M and N, per-token A, fp32 and bf16 outputs."""
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("the TMA GEMM is sm90+")
-    assert G.gemm_config(k, torch.bfloat16)["P"] == (2 if k <= G.SMALL_K else 1)
+    assert gemm.gemm_config(k, torch.bfloat16)["P"] == (2 if k <= gemm.SMALL_K else 1)
     gen = torch.Generator().manual_seed(k)
     a = random_operand(1040, k, per_token=True, device=device, gen=gen)
     b = random_operand(784, k, device=device, gen=gen)
     for out_dtype in (torch.bfloat16, torch.float32):
-        out = G.scaled_mm(a, b, method="triton", out_dtype=out_dtype)
+        out = gemm.scaled_mm(a, b, method="triton", out_dtype=out_dtype)
         assert_matches_reference(out, a, b, None, out_dtype)
 
 
@@ -310,7 +312,7 @@ def test_gpu_machine_refuses_cpu_tensors_outside_the_interpreter():
     if INTERPRETING:
         pytest.skip("the interpreter runs CPU tensors")
     with pytest.raises(ValueError, match="CUDA tensors"):
-        G.scaled_mm(*_ops())
+        gemm.scaled_mm(*_ops())
 
 
 @pytest.mark.cuda
@@ -320,9 +322,11 @@ def test_gpu_gemm_uses_wgmma_on_sm90(device):
     gen = torch.Generator().manual_seed(13)
     a = random_operand(256, 256, device=device, gen=gen)
     b = random_operand(256, 256, device=device, gen=gen)
-    a16, b16 = G.inner_values(a), G.inner_values(b)
-    G.triton_mm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16)
-    compiled = G.compiled_gemm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16)
+    a16, b16 = gemm.inner_values(a), gemm.inner_values(b)
+    gemm.triton_mm(a16, a.outer_scale, b16, b.outer_scale, None, torch.bfloat16)
+    _, _, args, kwargs = gemm._gemm_launch(a16, a.outer_scale, b16, b.outer_scale, None,
+                                           torch.bfloat16, None)
+    compiled = gemm._GEMM.compiled(*args, **kwargs)  # the binary the launch above compiled
     assert "wgmma.mma_async" in compiled.asm["ptx"]
 
 
@@ -332,17 +336,17 @@ def test_gpu_auto_method_splits_small_outputs_to_cublas(device):
     stays on the persistent Triton GEMM (sm90+). Both give the reference's numbers."""
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("the TMA GEMM is sm90+")
-    assert G.default_method(16384, 4096, 4096, torch.device(device)) == "triton"
-    assert G.default_method(512, 512, 32768, torch.device(device)) == "cublas"
+    assert gemm.default_method(16384, 4096, 4096, torch.device(device)) == "triton"
+    assert gemm.default_method(512, 512, 32768, torch.device(device)) == "cublas"
     gen = torch.Generator().manual_seed(14)
     a = random_operand(256, 8192, device=device, gen=gen)
     b = random_operand(128, 8192, device=device, gen=gen)
-    out = G.scaled_mm(a, b, out_dtype=torch.float32)
+    out = gemm.scaled_mm(a, b, out_dtype=torch.float32)
     assert_matches_reference(out, a, b, None, torch.float32)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("method", G.METHODS)
+@pytest.mark.parametrize("method", gemm.METHODS)
 def test_gpu_output_beyond_2_31_elements(device, method):
     """An output of more than 2**31 elements (131072 tokens x 16400, a long batch times a wide
     vocabulary): row offsets are int64 in the epilogues, so the last rows land where they belong
@@ -355,8 +359,9 @@ def test_gpu_output_beyond_2_31_elements(device, method):
     a = torch.randint(-6, 7, (m, k), device=device, generator=gen).half()
     b = torch.randint(-6, 7, (n, k), device=device, generator=gen).half()
     one = torch.ones((), device=device)
-    y = G.scaled_mm(NVFP4Operand(None, None, one, values=a), NVFP4Operand(None, None, one, values=b),
-                    out_dtype=torch.bfloat16, method=method)
+    y = gemm.scaled_mm(NVFP4Operand(None, None, one, values=a),
+                       NVFP4Operand(None, None, one, values=b), out_dtype=torch.bfloat16,
+                       method=method)
     assert y.numel() > 2**31
     for rows in (slice(0, 256), slice(m - 256, m)):
         assert torch.equal(y[rows], (a[rows].float() @ b.float().t()).bfloat16())

@@ -1,4 +1,5 @@
-"""The grouped kernels (``kernels/grouped.py``) against per-group calls of the dense reference.
+"""The grouped kernels (``kernels/grouped_amax.py``, ``grouped_quantize.py``, ``expert_weights.py``,
+``grouped_gemm.py``) against per-group calls of the dense reference.
 
 Quantization must equal ``reference.quantize`` called on each group alone, bit for bit, with the SR
 counter bases of docs/moe.md; the grouped GEMM must equal the dense reference GEMM of each group
@@ -19,8 +20,11 @@ import torch
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
-from nvfp4_recipe.kernels.grouped import (_INTERP_GROUPED_GEMM_CONFIG, grouped_scaled_mm,
-                                          quantize_experts, quantize_grouped)
+from nvfp4_recipe.kernels.expert_weights import quantize_experts
+from nvfp4_recipe.kernels.grouped_amax import grouped_amax_pass
+from nvfp4_recipe.kernels.grouped_gemm import (_INTERP_GROUPED_GEMM_CONFIG, expert_inner,
+                                               grouped_scaled_mm)
+from nvfp4_recipe.kernels.grouped_quantize import quantize_grouped
 from nvfp4_recipe.recipe import NVFP4Recipe
 from nvfp4_recipe.spec import GemmRole
 
@@ -79,7 +83,6 @@ def test_rht_amax_of_infinities_is_nan():
     (Inf - Inf = NaN): that group's RHT amax is NaN, as the reference's, though the kernel's
     first take folds that stage into the maximum (which gives Inf); the other groups' amaxes stay
     finite and exact."""
-    from nvfp4_recipe.kernels.grouped import grouped_amax_pass
     _, row, col = recipe_pairs()[0]
     x, offs, signs = rand((112, 48), seed=3), offsets(OFFS), signs_for()
     x[34, 5] = x[42, 5] = float("inf")  # group 2 (rows 32-79), block rows 32-47, column 5
@@ -184,7 +187,6 @@ def check_rider(x, offs, w, device=DEV):
     """dY's grouped pass with the experts' W^T (2d codes) riding along, as dgrad runs it
     (``TritonBackend.quantize_groups(prepare=...)``): W^T's inner values equal the dequantize pass's, and
     the copies equal those of the pass alone."""
-    from nvfp4_recipe.kernels.grouped import expert_inner
     r = NVFP4Recipe()
     _, wt = quantize_experts(w, r.spec(GemmRole.W_FPROP))
     kw = dict(seed=torch.tensor(5, device=device), signs=signs_for().to(device),

@@ -94,20 +94,23 @@ def test_four_over_six_launches_lead_with_their_tile(monkeypatch):
     (``four_over_six.lead_tile``); without 4/6 the list's first."""
     import triton
 
-    from nvfp4_recipe.kernels.four_over_six import lead_tile
+    from nvfp4_recipe.kernels.four_over_six import four_over_six_constexprs, lead_tile
     from nvfp4_recipe.kernels.runtime import prune_wide_tiles
+    from nvfp4_recipe.spec import FourOverSix
 
     configs = [triton.Config({"BB": bb, "BC": bc}, num_warps=nw)
                for bb, bc, nw in ((2, 8, 4), (2, 4, 8), (2, 4, 4), (4, 8, 4))]
-    prune = prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_FOS", "COL_FOS"))
+    prune = prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_", "COL_"))
     monkeypatch.delenv("NVFP4_AUTOTUNE", raising=False)
 
-    def first(**fos):
-        (c,) = prune(configs, {"K": 4096}, **{"ROW_FOS": 0, "COL_FOS": 0, **fos})
+    def first(row=None, col=None):
+        (c,) = prune(configs, {"K": 4096}, **four_over_six_constexprs(row, "ROW_"),
+                     **four_over_six_constexprs(col, "COL_"))
         return c.kwargs["BB"], c.kwargs["BC"], c.num_warps
 
     assert first() == (2, 8, 4)
-    assert first(COL_FOS=257) == first(ROW_FOS=450, COL_FOS=450) == (2, 4, 4)
+    mse, fast = FourOverSix("mse", 256), FourOverSix("mae", 448, fast_math=True)
+    assert first(col=mse) == first(row=fast, col=fast) == (2, 4, 4)
 
 
 class _FakeKernel:
@@ -167,7 +170,8 @@ from triton.runtime import _allocation
 var, default = _allocation._allocator, _allocation._allocator.get()
 import nvfp4_recipe
 import nvfp4_recipe.backends.triton
-from nvfp4_recipe.kernels import amax, dequantize, gemm, grouped, quantize
+from nvfp4_recipe.kernels import (amax, dequantize, expert_weights, gemm, grouped_amax,
+                                  grouped_gemm, grouped_quantize, groups, quantize)
 seen = []
 t = threading.Thread(target=lambda: seen.append(_allocation._allocator.get()))
 t.start(); t.join()
@@ -186,7 +190,7 @@ def test_scratch_kernel_launch_sets_the_allocator_in_its_own_thread_only(kernel_
     a launch torch.compile recorded (on a GPU, a cached launch sets it directly)."""
     from triton.runtime import _allocation
 
-    from nvfp4_recipe.kernels import gemm as G
+    from nvfp4_recipe.kernels import gemm
     from nvfp4_recipe.kernels.runtime import _scratch
 
     gen = torch.Generator().manual_seed(5)
@@ -194,7 +198,7 @@ def test_scratch_kernel_launch_sets_the_allocator_in_its_own_thread_only(kernel_
     one = torch.ones((), device=kernel_device)
 
     def launch():
-        out = G.triton_mm(a16, one, b16, one, None, torch.float32)
+        out = gemm.triton_mm(a16, one, b16, one, None, torch.float32)
         return out, _allocation._allocator.get()
 
     out, allocator = _in_fresh_thread(launch)
@@ -265,7 +269,7 @@ def test_cuda_kernels_run_on_the_tensors_gpu_not_the_current_one():
     dy = torch.randn(64, 128)
 
     def run(current: int):
-        layer = NVFP4Linear.from_linear(copy.deepcopy(base).to("cuda:1"), NVFP4Recipe())
+        layer = NVFP4Linear.from_module(copy.deepcopy(base).to("cuda:1"), NVFP4Recipe())
         xi = x.to("cuda:1").requires_grad_()
         with torch.cuda.device(current):
             outs = []

@@ -283,15 +283,15 @@ def test_eager_calls_equal_the_registered_operators(backend):
 
 
 def _record_fprop_calls(monkeypatch):
-    """Records (tokens, need_wt, need_xt) of every linear_fprop call of NVFP4Linear."""
-    from nvfp4_recipe import linear
-    calls, fprop = [], linear.linear_fprop
+    """Records (tokens, W^T made, X^T made) of every ``gemms.fprop`` call of NVFP4Linear."""
+    from nvfp4_recipe import gemms
+    calls, fprop = [], gemms.fprop
 
-    def spy(be, x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, *args):
-        calls.append((x.shape[0], need_wt, need_xt))
-        return fprop(be, x, weight, bias, recipe, signs, out_dtype, need_wt, need_xt, *args)
+    def spy(layout, be, x, w, bias, q, *args):
+        calls.append((x.shape[0], q.w.columnwise is not None, q.x.columnwise is not None))
+        return fprop(layout, be, x, w, bias, q, *args)
 
-    monkeypatch.setattr(linear, "linear_fprop", spy)
+    monkeypatch.setattr(gemms, "fprop", spy)
     return calls
 
 

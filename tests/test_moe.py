@@ -25,6 +25,7 @@ import nvfp4_recipe as nr
 from nvfp4_recipe import moe
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.api import skip_reasons
+from nvfp4_recipe import backends
 from nvfp4_recipe.backends import get_backend, native
 from nvfp4_recipe.backends import grouped as BG
 from nvfp4_recipe.operand import GroupedOperand
@@ -188,7 +189,7 @@ def test_torchtitan_experts_equal_per_expert_linears():
     SR streams play no part; RHT on the wgrad copies as in the recipe)."""
     recipe = nr.NVFP4Recipe(stochastic_rounding=False, backend="reference")
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
-    ex = moe.NVFP4GroupedExperts.from_experts(hp, recipe)
+    ex = moe.NVFP4GroupedExperts.from_module(hp, recipe)
     counts = torch.tensor([7, 0, 20, 21])
     x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     dy = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
@@ -222,7 +223,7 @@ def test_experts_sr_rank_is_added_to_the_key_and_set_sr_rank_reaches_them():
     def grads(ex):
         return torch.autograd.grad(ex(x, counts), (ex.w1, ex.w2, ex.w3), dy)
 
-    base, ranked, shifted = (moe.NVFP4GroupedExperts.from_experts(copy.deepcopy(hp), recipe)
+    base, ranked, shifted = (moe.NVFP4GroupedExperts.from_module(copy.deepcopy(hp), recipe)
                              for _ in range(3))
     ranked.sr_rank = 3
     with torch.no_grad():
@@ -249,7 +250,7 @@ def test_hf_experts_equal_per_expert_linears():
     Hugging Face's per-expert loop with each projection a one-group NVFP4 linear."""
     experts = tiny_qwen3_moe().model.layers[0].mlp.experts
     recipe = nr.NVFP4Recipe(stochastic_rounding=False, backend="reference")
-    ex = moe.NVFP4HFExperts(experts, recipe)
+    ex = moe.NVFP4HFExperts.from_module(experts, recipe)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(24, 64, generator=g, requires_grad=True)
     index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(24)])
@@ -278,7 +279,7 @@ def test_experts_inference_is_the_training_forward(backend):
     """Under torch.no_grad the module runs fprop only, with the training forward's numbers."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
     dev = backend_device(backend)
-    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend)).to(dev)
+    ex = moe.NVFP4GroupedExperts.from_module(hp, nr.NVFP4Recipe(backend=backend)).to(dev)
     x, counts = torch.randn(40, 32).to(dev), torch.tensor([10, 10, 0, 20], device=dev)
     with torch.no_grad():
         y = ex(x, counts)
@@ -292,7 +293,7 @@ def test_experts_inference_takes_any_token_count(backend):
     each token the output it gets among the others: the per-token rows of a larger batch."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
     dev = backend_device(backend)
-    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend, scaling="per_token"))
+    ex = moe.NVFP4GroupedExperts.from_module(hp, nr.NVFP4Recipe(backend=backend, scaling="per_token"))
     ex = ex.to(dev)
     x = torch.randn(21, 32, generator=torch.Generator().manual_seed(1)).to(dev)
     counts = torch.tensor([5, 0, 13, 3], device=dev)
@@ -309,7 +310,7 @@ def test_experts_cached_weights_quantize_once_with_the_same_outputs(monkeypatch,
     version (three projections: three calls), with the outputs of uncached forwards."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
     dev = backend_device(backend)
-    ex = moe.NVFP4GroupedExperts.from_experts(hp, nr.NVFP4Recipe(backend=backend)).to(dev)
+    ex = moe.NVFP4GroupedExperts.from_module(hp, nr.NVFP4Recipe(backend=backend)).to(dev)
     x, counts = torch.randn(40, 32).to(dev), torch.tensor([10, 10, 0, 20], device=dev)
     be = get_backend(backend, dev)
     calls, quantize = [], type(be).quantize_experts
@@ -340,7 +341,7 @@ def test_experts_capture_records_the_operands_the_gemms_used():
     group and W_g^T give dX (dgrad), up to the fp32 sum order."""
     hp = GroupedExperts(32, 48, 4, torch.Generator().manual_seed(0))
     recipe = nr.NVFP4Recipe(backend="reference")
-    model = nn.ModuleDict({"experts": moe.NVFP4GroupedExperts.from_experts(hp, recipe)})
+    model = nn.ModuleDict({"experts": moe.NVFP4GroupedExperts.from_module(hp, recipe)})
     x, counts = torch.randn(48, 32), torch.tensor([16, 0, 16, 16])
     with nr.capture(model) as ops:
         model["experts"](x, counts).square().sum().backward()
@@ -355,9 +356,9 @@ def test_experts_capture_records_the_operands_the_gemms_used():
     # fprop of w1 on expert 2's tokens: the recorded X_g and W_g give h1 = X_g W_g^T
     x_g = x[16:32]  # expert 2's tokens (groups are padded to 16: none here)
     with torch.no_grad():
-        h1 = moe._grouped_linear(x_g, hp.w1[2:3].detach(), torch.tensor([16], dtype=torch.int32),
-                                 recipe, model["experts"].rht_signs,
-                                 model["experts"].sr_state(0), "reference")
+        seed, step, rank = model["experts"].sr_state(0)
+        h1 = moe.grouped_linear(x_g, hp.w1[2:3].detach(), torch.tensor([16], dtype=torch.int32),
+                                recipe, model["experts"].rht_signs, seed, step, "reference", rank)
     got = w1["x"][2].dequantize().double() @ w1["w"][2].dequantize().double().t()
     torch.testing.assert_close(got, h1.double(), rtol=1e-5, atol=1e-6 * h1.abs().max().item())
     for name in ("dy", "dyt"):
@@ -486,6 +487,13 @@ def emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, s
     return out
 
 
+def native_backend() -> native.NativeBackend:
+    """The native backend as ``get_backend`` registers it: with the Triton backend, on which its
+    grouped primitives run (``get_backend`` refuses it off sm100, so it is registered here)."""
+    backends._load("native")
+    return native.NativeBackend()
+
+
 def test_native_grouped_plumbing(monkeypatch, caplog, kernel_device):
     """fprop and dgrad on the native path (emulated) match each group's reference GEMM; per-token
     operands fall back to the Triton grouped GEMM (on ``kernel_device``), logged once."""
@@ -493,7 +501,7 @@ def test_native_grouped_plumbing(monkeypatch, caplog, kernel_device):
     monkeypatch.setattr(native, "fp4_tensor_cores", lambda device: True)
     monkeypatch.setattr(native, "warn_once", lambda msg, key=None: logging.getLogger(
         "nvfp4_recipe").warning(msg))
-    nb, oracle = native.NativeBackend(), get_backend("reference", "cpu")
+    nb, oracle = native_backend(), get_backend("reference", "cpu")
     offs = torch.tensor([160, 160, 192, 320], dtype=torch.int32)  # 160 tokens: two 128-row tiles
     r = nr.NVFP4Recipe()
     x, w = rand((320, 64), seed=4), rand((4, 48, 64), torch.float32, seed=5)
@@ -535,7 +543,7 @@ def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch, kernel_devi
     r = nr.NVFP4Recipe()
     x, w = rand((64, 64), device=dev, seed=4), rand((3, 32, 64), torch.float32, dev, seed=5)
     signs = r.signs().to(dev)
-    y = moe.grouped_fprop(native.NativeBackend(), x, offs, w, r, signs, torch.bfloat16, False,
+    y = moe.grouped_fprop(native_backend(), x, offs, w, r, signs, torch.bfloat16, False,
                           False)[0]
     assert calls == [1]
     want = moe.grouped_fprop(get_backend("triton", dev), x, offs, w, r, signs, torch.bfloat16,

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import nvfp4_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -68,3 +71,61 @@ def test_pyproject_license_and_dependencies():
     for dep in project["dependencies"]:
         name = re.match(r"[\w.-]+", dep).group()
         assert name in imported, f"{name} is declared but never imported"
+
+
+# the step run with and without Triton: quantize_, a training step, an evaluation under
+# cached_weights, on the reference backend
+_STEP = """
+import torch
+from torch import nn
+
+
+def step(nr):
+    torch.manual_seed(0)
+    model = nr.quantize_(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)),
+                         nr.NVFP4Recipe(backend="reference"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(16, 32)).square().mean().backward()
+    opt.step()
+    with torch.no_grad(), nr.cached_weights():
+        y = model(torch.randn(3, 32))
+    return {"state": model.state_dict(), "y": y}
+"""
+
+# Triton blocked, as where pyproject does not install it: the step saved, the modules that need
+# Triton that were imported, and what the backends that need it say
+_WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # `import triton` raises ImportError; find_spec finds nothing
+import nvfp4_recipe as nr
+from nvfp4_recipe.backends import get_backend
+torch.save(step(nr), sys.argv[1])
+print(sorted(m for m, module in sys.modules.items() if module is not None and (
+    m.startswith(("triton", "nvfp4_recipe.kernels")) or m == "nvfp4_recipe.backends.triton")))
+for name in ("triton", "native"):
+    try:
+        get_backend(name, "cpu")
+    except ValueError as e:
+        print(e)
+"""
+
+
+def test_the_reference_backend_runs_without_triton(tmp_path):
+    """pyproject installs Triton on Linux only. With triton not importable the package imports,
+    a model trains and evaluates on the reference backend with the bits it has where Triton is
+    installed, no module that needs Triton is imported, and the backends that need it are refused
+    with a message naming it."""
+    out = tmp_path / "without_triton.pt"
+    proc = _run("-c", _STEP + _WITHOUT_TRITON, str(out))
+    assert proc.returncode == 0, proc.stderr
+    imported, *refusals = proc.stdout.splitlines()
+    assert imported == "[]"
+    assert len(refusals) == 2 and all(
+        f"NVFP4 backend {name!r} cannot run here: the {name} backend needs triton, which is not "
+        f"installed" in line for name, line in zip(("triton", "native"), refusals))
+    here = {}
+    exec(_STEP, here)
+    want, got = here["step"](nvfp4_recipe), torch.load(out)
+    assert int(got["state"]["0.sr_step"]) == 1 and torch.equal(got["y"], want["y"])
+    assert got["state"].keys() == want["state"].keys()
+    assert all(torch.equal(got["state"][k], want["state"][k]) for k in want["state"])

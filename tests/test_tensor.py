@@ -11,6 +11,7 @@ from nvfp4_recipe import NVFP4Tensor
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.operand import NVFP4Operand
 from nvfp4_recipe.spec import Block, FourOverSix, Form, QuantSpec
+from nvfp4_recipe.tensor import _FIELD_BY_FIELD, _from_pickle
 
 from nvfp4_cases import INTERPRETING, signs_for
 from test_kernels_gemm import assert_matches_reference
@@ -289,6 +290,42 @@ def test_torch_save_loads_old_and_new_checkpoints(monkeypatch, fos):
         assert torch.equal(u.dequantize(), t.dequantize())
 
 
+def test_tensors_pickled_field_by_field_load_with_their_spec(monkeypatch):
+    """Files of versions whose tensor held its spec's fields one by one: pickled by
+    ``__reduce_ex__`` (block, scaling, rounding, ..., rht_signs, and from 2026-11-27 amax_scale and
+    four_over_six) or, before it, by torch.Tensor's reduction (those fields in the state)."""
+    fos = FourOverSix("mse", 448, True)
+    signs = signs_for(2)
+    full = QuantSpec(scaling="per_token", rounding="sr", rht=True, amax_scale=0.5, four_over_six=fos)
+    t = NVFP4Tensor.from_operand(R.quantize(torch.randn(32, 64), full, seed=4, rht_signs=signs),
+                                 torch.bfloat16, signs, "reference")
+    fields = ["per_token" if k == "scaling" else "sr" if k == "rounding" else "1d" if k == "block"
+              else getattr(t, k) for k in _FIELD_BY_FIELD]
+    for attributes, spec in ((fields, full), (fields[:7], QuantSpec(scaling="per_token",
+                                                                       rounding="sr", rht=True))):
+        u = _from_pickle(t.qdata, t.scale.view(torch.uint8), t.outer_scale, *attributes)
+        assert u.spec == spec and u.orig_dtype == torch.bfloat16 and u.backend == "reference"
+        assert torch.equal(u.rht_signs, signs) and torch.equal(u.dequantize(), t.dequantize())
+    state = dict(zip(_FIELD_BY_FIELD[:7], fields), qdata=t.qdata, scale=t.scale,
+                 outer_scale=t.outer_scale)
+    monkeypatch.setattr(NVFP4Tensor, "__reduce_ex__", torch.Tensor.__reduce_ex__)
+    monkeypatch.setattr(NVFP4Tensor, "__getstate__", lambda self: state, raising=False)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    buf.seek(0)
+    u = torch.load(buf, weights_only=True)
+    assert u.spec == QuantSpec(scaling="per_token", rounding="sr", rht=True)
+    assert torch.equal(u.dequantize(), t.dequantize())
+
+
+def test_the_constructor_checks_its_spec_and_signs():
+    t = NVFP4Tensor.from_hp(torch.randn(16, 32))
+    with pytest.raises(TypeError, match="spec must be a QuantSpec, got '1d'"):
+        NVFP4Tensor(t.qdata, t.scale, t.outer_scale, "1d", t.dtype, False)
+    with pytest.raises(ValueError, match="rht=True, but rht_signs is None"):
+        NVFP4Tensor(t.qdata, t.scale, t.outer_scale, QuantSpec(rht=True), t.dtype, False)
+
+
 # ---------------------------------------------------------------------------- row indexing, .T, comparisons
 @pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
 def test_row_indexing_keeps_whole_rows(scaling):
@@ -342,8 +379,7 @@ def test_comparisons_are_on_the_dequantized_values():
     assert (t == deq).all() and torch.equal(t == 0, deq == 0) and (t == 0).any()
     assert torch.equal(t, t.clone()) and torch.equal(t, deq) and not torch.equal(t, u)
     negative_zero = torch.where(t.qdata & 0xF == 0, t.qdata | 0x8, t.qdata)  # -0 codes for +0 ones
-    other_codes = NVFP4Tensor(negative_zero, t.scale, t.outer_scale, "1d", "per_tensor", "rn", t.dtype,
-                              False)
+    other_codes = NVFP4Tensor(negative_zero, t.scale, t.outer_scale, QuantSpec(), t.dtype, False)
     assert not torch.equal(other_codes.qdata, t.qdata) and torch.equal(other_codes, t)
     assert torch.allclose(t, deq + 1e-9) and not torch.allclose(t, u)
     assert torch.equal(torch.isclose(t, u, atol=0.1), torch.isclose(deq, u.dequantize(), atol=0.1))

@@ -13,6 +13,7 @@ runs on what) is ``gemms.py``'s. :func:`get_backend` resolves "auto" and logs a 
 import abc
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 from typing import Callable, Dict, Optional, Tuple, Union
@@ -186,22 +187,31 @@ def warn_once(msg: str, key: Optional[str] = None) -> None:
         log.warning(msg)
 
 
-def _load(name: str) -> None:
-    """Import the module that registers backend ``name`` (Triton may be missing off Linux)."""
+# Triton is installed on Linux only (pyproject); the backends that need it are registered only
+# where it is: the Triton backend (its kernels) and the native one (its grouped primitives run
+# on the Triton backend's)
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+_NEEDS_TRITON = ("triton", "native")
+
+
+def _load(name: str) -> Optional[str]:
+    """Register backend ``name`` (import its module, and the Triton backend's for the native
+    one); None once it is registered, else why it cannot be."""
+    if name in _NEEDS_TRITON and not TRITON_INSTALLED:
+        return (f"the {name} backend needs triton, which is not installed (pyproject installs it "
+                f"on Linux only; pip install triton)")
+    if name == "native":
+        _load("triton")
     if name not in _CLASSES:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ImportError as e:  # reported by _available as "not built"
-            log.debug("cannot import the %s backend: %s", name, e)
+        importlib.import_module(f"{__name__}.{name}")
+    return None
 
 
 def _available(name: str, device: torch.device) -> Optional[str]:
     """None if backend ``name`` can run on ``device``, else the reason it cannot."""
-    _load(name)
-    if name == "reference":
-        return None
-    if name not in _CLASSES:
-        return f"the {name} backend is not built into this installation"
+    why = _load(name)
+    if why is not None or name == "reference":
+        return why
     if device.type != "cuda":
         if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
             return None

@@ -32,13 +32,18 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..operand import GroupedOperand, NVFP4Operand
-from ..spec import BackendName, Block, FourOverSix, FourOverSixError, QuantSpec, Rounding, Scaling
+from ..spec import SPEC_TYPES
 
-_TUPLES = {"tuple": tuple, "NVFP4Operand": NVFP4Operand, "GroupedOperand": GroupedOperand}
-_ENUMS = {(kind.__name__, m.value): m
-          for kind in (Block, Scaling, Rounding, BackendName, FourOverSixError) for m in kind}
-# the frozen dataclasses that cross the boundary (by name), rebuilt from their fields in order
-_DATACLASSES = {cls.__name__: cls for cls in (QuantSpec, FourOverSix)}
+# The one registry of the types that cross the boundary besides tensors, dtypes, dicts and plain
+# values, by name: tuples, the operands' NamedTuples, and every enum and dataclass of spec.py
+# (SPEC_TYPES: specs, their fields' enums, GemmRole, Form, ...). _encode refuses any other type;
+# _decode rebuilds a NamedTuple or dataclass from its fields in order and looks an enum member up
+# by its value (not constructed: Dynamo 2.11 cannot trace an enum's constructor).
+_TYPES: Dict[str, type] = {kind.__name__: kind
+                           for kind in (tuple, NVFP4Operand, GroupedOperand, *SPEC_TYPES)}
+_MEMBERS = {(name, m.value): m for name, kind in _TYPES.items() if issubclass(kind, enum.Enum)
+            for m in kind}
+_DATACLASSES = tuple(kind for kind in _TYPES.values() if dataclasses.is_dataclass(kind))
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                torch.uint8, torch.int32, torch.int64, torch.float8_e4m3fn)}
 _DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
@@ -51,26 +56,43 @@ def _encode(obj: Any, tensors: List[Optional[torch.Tensor]]) -> tuple:
     ``tensors`` in order. Plain Python on constants, so Dynamo folds it while tracing.
 
     Raises:
-        TypeError: a value that cannot cross the boundary (a callable, an unknown object).
+        TypeError: a value that cannot cross the boundary (a callable, an unknown object, an
+            enum, dataclass or tuple type not in ``_TYPES``).
     """
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return ("T",)
-    if isinstance(obj, enum.Enum):
-        return ("E", type(obj).__name__, obj.value)
-    if isinstance(obj, (QuantSpec, FourOverSix)):
-        return ("F", type(obj).__name__,
+    if isinstance(obj, enum.Enum):  # before the plain values: a str enum is a str
+        return ("E", _registered(obj), obj.value)
+    if isinstance(obj, _DATACLASSES):  # not is_dataclass(obj): Dynamo cannot guard type(a float)
+        return ("F", _registered(obj),
                 tuple([_encode(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)]))
+    if isinstance(obj, tuple):
+        return ("F", _registered(obj), tuple([_encode(o, tensors) for o in obj]))
     if isinstance(obj, torch.dtype):
         return ("D", _DTYPE_NAMES[obj])
-    if isinstance(obj, tuple):
-        return ("U", type(obj).__name__, tuple([_encode(o, tensors) for o in obj]))
     if isinstance(obj, dict):
         return ("K", tuple([(k, _encode(v, tensors)) for k, v in obj.items()]))
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return ("C", obj)
     raise TypeError(f"{type(obj).__name__} cannot be passed to an NVFP4 operator under "
-                    f"torch.compile (tensors, operands, specs and plain values can)")
+                    f"torch.compile (tensors, dtypes, plain values and the types of "
+                    f"backends/operators._TYPES can)")
+
+
+def _registered(obj: Any) -> str:
+    """The name under which ``obj``'s type is in ``_TYPES``.
+
+    Raises:
+        TypeError: its type is not there (add it to ``_TYPES``, or define it in spec.py).
+    """
+    name = type(obj).__name__
+    kind = _TYPES.get(name)  # isinstance, not type(obj) is kind: Dynamo cannot guard type(a tuple)
+    if kind is None or not isinstance(obj, kind):
+        raise TypeError(f"{type(obj).__module__}.{name} cannot be passed to an NVFP4 operator "
+                        f"under torch.compile: it is not among the types of "
+                        f"backends/operators._TYPES")
+    return name
 
 
 def _decode(struct: tuple, tensors) -> Any:
@@ -79,15 +101,13 @@ def _decode(struct: tuple, tensors) -> Any:
     if tag == "T":
         return next(tensors)
     if tag == "E":
-        return _ENUMS[(struct[1], struct[2])]
+        return _MEMBERS[(struct[1], struct[2])]
     if tag == "F":
-        return _DATACLASSES[struct[1]](*[_decode(s, tensors) for s in struct[2]])
+        items = [_decode(s, tensors) for s in struct[2]]
+        kind = _TYPES[struct[1]]
+        return tuple(items) if kind is tuple else kind(*items)
     if tag == "D":
         return _DTYPES[struct[1]]
-    if tag == "U":
-        items = [_decode(s, tensors) for s in struct[2]]
-        kind = _TUPLES[struct[1]]
-        return tuple(items) if kind is tuple else kind(*items)
     if tag == "K":
         return {k: _decode(v, tensors) for k, v in struct[1]}
     return struct[1]

@@ -8,7 +8,7 @@ from .. import reference as R
 from ..operand import NVFP4Operand
 from ..spec import Block, QuantSpec
 from . import AmaxReduce, Backend, IntOrTensor, quantize_each, reduced_amax, register_backend
-from . import grouped as G
+from . import grouped
 
 
 def _reduced_amax(x: torch.Tensor, spec: QuantSpec, signs: Optional[torch.Tensor],
@@ -25,7 +25,8 @@ class ReferenceBackend(Backend):
     fp32 and multiplies them (``reference.scaled_mm``)."""
 
     name = "reference"
-    fakes = {"quantize_groups": G.fake_quantize_groups, "grouped_mm": G.fake_grouped_mm}
+    fakes = {"quantize_groups": grouped.fake_quantize_groups,
+             "grouped_mm": grouped.fake_grouped_mm}
 
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
                  offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
@@ -64,12 +65,12 @@ class ReferenceBackend(Backend):
                         transient=(False, False), prepare=None):
         """``grouped.quantize_groups`` (codes; ``transient`` changes nothing, ``prepare`` comes
         back as it is)."""
-        return (*G.quantize_groups(x, offs, row, col, seed=seed, row_offset=row_offset,
-                                   col_offset=col_offset, signs=signs), prepare)
+        return (*grouped.quantize_groups(x, offs, row, col, seed=seed, row_offset=row_offset,
+                                         col_offset=col_offset, signs=signs), prepare)
 
     def quantize_experts(self, w, spec, *, need_t, transient=False):
         """``grouped.quantize_experts`` (codes)."""
-        return G.quantize_experts(w, spec, need_t=need_t)
+        return grouped.quantize_experts(w, spec, need_t=need_t)
 
     def grouped_mm(self, a, b, *, out_dtype=torch.float32):
-        return G.grouped_mm(a, b, out_dtype=out_dtype)
+        return grouped.grouped_mm(a, b, out_dtype=out_dtype)

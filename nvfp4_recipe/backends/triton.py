@@ -14,27 +14,27 @@ amax pass plus one pass writing W and its exact transpose. What this backend add
 - ``quantize_pair(..., prepare=b)`` dequantizes b (wgrad's X^T) in the same launch as the pair:
   its memory traffic overlaps that pass's arithmetic.
 - While a CUDA graph is captured, :meth:`prepare_weight` and :meth:`prepare` run on a side stream
-  (``streams.SideStream``) beside the activations' passes; the next :meth:`mm` joins it.
+  (``streams.SideStream``) beside the activations' passes, and their join is deferred to the
+  primitive that reads their outputs: every primitive first joins the forks its arguments read
+  (``streams.joins_reads``): :meth:`mm` and :meth:`grouped_mm` their operands, a quantize pass
+  its ``prepare=`` operand, :meth:`prepare` its b.
 """
 
-import threading
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .. import reference as R
-from ..kernels import amax as A
-from ..kernels import gemm as G
-from ..kernels import grouped as KG
+from ..kernels import amax, expert_weights, gemm, grouped_gemm, grouped_quantize
 from ..kernels.dequantize import dequantize_inner
 from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
 from ..kernels.runtime import inner_values_supported, interpreting
 from ..operand import NVFP4Operand
 from ..spec import Block, Form, QuantSpec
-from ..streams import SideStream
+from ..streams import SideStream, joins_reads
 from . import (AmaxReduce, Backend, IntOrTensor, quantize_each, reduced_amax, register_backend,
                warn_once)
-from . import grouped as BG
+from . import grouped
 from .reference import ReferenceBackend
 
 _REFERENCE = ReferenceBackend()
@@ -70,6 +70,7 @@ def _one_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec
 
 
 @register_backend
+@joins_reads(Backend.PRIMITIVES)
 class TritonBackend(Backend):
     """Fused Triton quantization kernels and the Triton NVFP4 GEMM (sm80/sm90; the interpreter)."""
 
@@ -77,10 +78,7 @@ class TritonBackend(Backend):
     # the grouped GEMM stays opaque: it makes host-side TMA descriptors, which a recorded launch
     # would drop
     traced = () if interpreting() else tuple(p for p in Backend.PRIMITIVES if p != "grouped_mm")
-    fakes = {"grouped_mm": BG.fake_grouped_mm}
-
-    def __init__(self):
-        self._forks = threading.local()  # side-stream work the next mm waits for
+    fakes = {"grouped_mm": grouped.fake_grouped_mm}
 
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,
                  offset: IntOrTensor = 0, signs: Optional[torch.Tensor] = None,
@@ -159,7 +157,7 @@ class TritonBackend(Backend):
                                                     amax_reduce=amax_reduce)
             if side.forked:
                 wq = self._dequantized(wq)
-        self._fork(side, wq, wtq)
+        side.defer_join(wq, wtq)
         return wq, wtq
 
     def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
@@ -168,26 +166,21 @@ class TritonBackend(Backend):
         with SideStream(b.device) as side:
             if side.forked:
                 b = self._dequantized(b)
-        self._fork(side, b)
+        side.defer_join(b)
         return b
 
     def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``kernels.gemm.scaled_mm``, after the side-stream work of :meth:`prepare_weight` and
-        :meth:`prepare` (if any)."""
-        forks: List = getattr(self._forks, "pending", [])
-        for side, outputs in forks:
-            side.join(*outputs)
-        forks.clear()
-        return G.scaled_mm(a, b, bias=bias, out_dtype=out_dtype)
+        """``kernels.gemm.scaled_mm``."""
+        return gemm.scaled_mm(a, b, bias=bias, out_dtype=out_dtype)
 
     def quantize_groups(self, x, offs, row, col, *, seed=0, row_offset=0, col_offset=0, signs=None,
                         transient=(False, False), prepare=None):
-        """One launch for all groups (``kernels.grouped.quantize_grouped``); ``prepare``
+        """One launch for all groups (``kernels.grouped_quantize.quantize_grouped``); ``prepare``
         (codes) is dequantized to fp16 inner values in the launch that writes the columnwise copy
         (its memory traffic overlaps that pass's arithmetic), or left to :meth:`grouped_mm` when
         there is none."""
-        BG.check_quantize_args(x, row, col, signs)
+        grouped.check_quantize_args(x, row, col, signs)
         supported = inner_values_supported(x.device)
         inner = transient if supported else (False, False)
         ride = (prepare is not None and prepare.form is Form.CODES and col is not None
@@ -195,29 +188,26 @@ class TritonBackend(Backend):
         rider = None
         if ride:
             n_groups, rows, half = prepare.qdata.shape
-            rider = (KG.stacked_codes(prepare),
+            rider = (grouped_gemm.stacked_codes(prepare),
                      torch.empty(n_groups * rows, 2 * half, dtype=torch.float16, device=x.device))
-        r, c = KG.quantize_grouped(x, offs, row, col, inner=inner, seed=seed,
-                                   row_offset=row_offset, col_offset=col_offset, signs=signs,
-                                   dequantize=rider)
+        r, c = grouped_quantize.quantize_grouped(x, offs, row, col, inner=inner, seed=seed,
+                                                 row_offset=row_offset, col_offset=col_offset,
+                                                 signs=signs, dequantize=rider)
         if ride:
             prepare = prepare._replace(qdata=None, scale=None,
                                        values=rider[1].view(n_groups, rows, 2 * half))
         return r, c, prepare
 
     def quantize_experts(self, w, spec, *, need_t, transient=False):
-        """``kernels.grouped.quantize_experts``: W as fp16 inner values when transient (sm89+)."""
-        BG.check_experts(w, spec)
-        return KG.quantize_experts(w, spec, write_wt=need_t,
-                                   inner=transient and inner_values_supported(w.device))
+        """``kernels.expert_weights.quantize_experts``: W as fp16 inner values when transient
+        (sm89+)."""
+        grouped.check_experts(w, spec)
+        return expert_weights.quantize_experts(w, spec, write_wt=need_t,
+                                               inner=transient and inner_values_supported(w.device))
 
     def grouped_mm(self, a, b, *, out_dtype=torch.float32):
-        """``kernels.grouped.grouped_scaled_mm``."""
-        return KG.grouped_scaled_mm(a, b, out_dtype=out_dtype)
-
-    def _fork(self, side: SideStream, *outputs) -> None:
-        if side.forked:
-            self._forks.__dict__.setdefault("pending", []).append((side, outputs))
+        """``kernels.grouped_gemm.grouped_scaled_mm``."""
+        return grouped_gemm.grouped_scaled_mm(a, b, out_dtype=out_dtype)
 
     def _dequantized(self, b: NVFP4Operand) -> NVFP4Operand:
         """b with its fp16 inner values in place of its codes (where the GEMM takes them)."""
@@ -247,4 +237,4 @@ class TritonBackend(Backend):
 
 def _reduced_2d_amax(w: torch.Tensor, amax_reduce: AmaxReduce) -> Optional[torch.Tensor]:
     """The ``amax`` argument of ``quantize_2d(w)``: None (its own pass) without a reducer."""
-    return reduced_amax(amax_reduce, lambda: A.amax(w, A.TENSOR, A.NONE)[0])
+    return reduced_amax(amax_reduce, lambda: amax.amax(w, amax.TENSOR, amax.NONE)[0])

@@ -19,19 +19,42 @@ import torch
 import triton
 import triton.language as tl
 
+from ..spec import QuantSpec
 from .hadamard import hadamard16, hadamard16_abs_max
 from .rounding import abs_bits, round_to
 from .runtime import Launcher, autotune, cdiv, interpreting, num_sms, prune_wide_tiles
 from .tiles import abs_max16, abs_max16_bits, bits_to_float, load_col_blocks, load_row_blocks
 
-NONE, TENSOR, PER_INDEX = 0, 1, 2  # what an amax output holds
+# What an amax output holds: the ``row`` / ``col`` modes of :func:`amax` and
+# ``grouped_amax.grouped_amax_pass``, and the ROW / COL constexprs of their kernels: nothing; one
+# amax per tensor (in the grouped kernels one per group: a group's tokens are its tensor); one per
+# index (per row or per column: per-token scaling).
+NONE, TENSOR, PER_INDEX = 0, 1, 2
+# The same modes for @triton.jit code, which reads only tl.constexpr globals.
+JIT_NONE, JIT_TENSOR, JIT_PER_INDEX = (tl.constexpr(NONE), tl.constexpr(TENSOR),
+                                        tl.constexpr(PER_INDEX))
 
 
-def _configs():
+def amax_mode(spec: Optional[QuantSpec]) -> int:
+    """The amax a copy quantized under ``spec`` needs: NONE for no copy (None), PER_INDEX for
+    per-token scaling, else TENSOR."""
+    if spec is None:
+        return NONE
+    return PER_INDEX if spec.per_token else TENSOR
+
+
+def amax_slots(mode: int, n_index: int, n_tensors: int = 1) -> int:
+    """Values an amax output of ``mode`` holds: none, one per tensor (``n_tensors``: the groups of
+    a grouped pass), or ``n_index``."""
+    return 0 if mode == NONE else n_tensors if mode == TENSOR else n_index
+
+
+def amax_configs():
     """(BB, BC) = a tile in 16 x 16 blocks, P = programs per SM of the persistent grid. The first
     measured fastest for the global + RHT amax at the 16384 x 4096 and 32768 x 2048 benchmark shapes
     on an H200 and is the only one without NVFP4_AUTOTUNE=1 (:func:`_lead` puts another first for
-    per-index maxima); narrower tiles for small K (see ``runtime.prune_wide_tiles``)."""
+    per-index maxima); narrower tiles for small K (see ``runtime.prune_wide_tiles``). The grouped
+    amax kernel takes the same space."""
     if interpreting():
         return [triton.Config({"BB": 2, "BC": 2, "P": 1}, num_warps=1)]
     space = ((2, 16, 4, 4), (2, 16, 16, 4), (2, 8, 8, 4), (4, 4, 8, 4), (8, 4, 8, 4))
@@ -93,12 +116,12 @@ def _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr, ROW: t
         else:
             tile_max = block_max_bits(t)
             col_max = tile_max
-        if ROW == 1:
+        if ROW == JIT_TENSOR:
             row_acc = tl.maximum(row_acc, tile_max)
-        if ROW == 2:
+        if ROW == JIT_PER_INDEX:
             m = b[:, None] * 16 + tl.arange(0, 16)[None, :]
             tl.atomic_max(row_ptr + m, tl.max(abs_bits(t.to(tl.float32)), axis=0), mask=m < M)
-        if COL == 2:
+        if COL == JIT_PER_INDEX:
             tl.atomic_max(col_ptr + k, tl.max(col_max, axis=1), mask=k < K)
         col_acc = tl.maximum(col_acc, col_max)
     return row_acc, col_acc
@@ -129,7 +152,7 @@ def _fold(acc):
     return tl.max(tl.max(acc, axis=1), axis=0)
 
 
-@autotune(configs=_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "ROW_RHT"],
+@autotune(configs=amax_configs(), key=["M", "K", "ROW", "COL", "COL_RHT", "ROW_RHT"],
           prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], _lead))
 @triton.jit
 def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
@@ -145,12 +168,12 @@ def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
     col_ptr = row_ptr + col_off
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if COL_RHT or ROW_RHT else None
     if ROW_RHT:
-        row = _fold(_row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, ROW == 2,
-                                   False, BB, BC))
+        row = _fold(_row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr,
+                                   ROW == JIT_PER_INDEX, False, BB, BC))
         if row >= 0x7F800000:  # the bits of +Inf; NaNs above
-            row = _fold(_row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, ROW == 2,
-                                       True, BB, BC))
-        if ROW == 1:
+            row = _fold(_row_rht_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr,
+                                       ROW == JIT_PER_INDEX, True, BB, BC))
+        if ROW == JIT_TENSOR:
             tl.atomic_max(row_ptr, row)
     else:
         row_acc, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
@@ -159,11 +182,11 @@ def _amax_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, out_ptr, col_off,
         if COL_RHT:
             if col >= 0x7F800000:  # the bits of +Inf; NaNs above
                 _, col_acc = _amax_tiles(x_ptr, M, K, stride_m, stride_k, signs, row_ptr, col_ptr,
-                                         0, COL, COL_RHT, True, BB, BC)
+                                         JIT_NONE, COL, COL_RHT, True, BB, BC)
                 col = _fold(col_acc)
-        if ROW == 1:
+        if ROW == JIT_TENSOR:
             tl.atomic_max(row_ptr, _fold(row_acc))
-        if COL == 1:
+        if COL == JIT_TENSOR:
             tl.atomic_max(col_ptr, col)
 
 
@@ -210,7 +233,7 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
     if row_rht and col != NONE:
         raise ValueError("the amax of the RHT along K reads row blocks: no column amax with it")
     m, k = x.shape
-    n_row, n_col = _size(row, m), _size(col, k)
+    n_row, n_col = amax_slots(row, m), amax_slots(col, k)
     if not (row or col):
         return None, None
     if row and col:  # one zeroed buffer (one fill), split after the launch
@@ -225,11 +248,6 @@ def amax(x: torch.Tensor, row: int = TENSOR, col: int = NONE, col_rht: bool = Fa
     if not (row and col):
         return (out, None) if row else (None, out)
     return _part(out, 0, n_row, row), _part(out, n_row, n_col, col)
-
-
-def _size(mode: int, n: int) -> int:
-    """Values an output of ``mode`` holds for a dimension of n."""
-    return 0 if mode == NONE else 1 if mode == TENSOR else n
 
 
 def _part(out: torch.Tensor, start: int, size: int, mode: int) -> torch.Tensor:

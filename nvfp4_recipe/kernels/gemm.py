@@ -39,7 +39,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _mma(a, b, acc, INTERP: tl.constexpr):
+def mma(a, b, acc, INTERP: tl.constexpr):
     """acc += a @ b with a (BM, BK), b (BK, BN) 16-bit floats; fp32 operands under the interpreter."""
     if INTERP:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -49,7 +49,7 @@ def _mma(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _tile_pid(tile_id, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+def tile_pid(tile_id, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of output tile ``tile_id``, GROUP_M row tiles per sweep over the columns."""
     num_m = tl.cdiv(M, BM)
     width = GROUP_M * tl.cdiv(N, BN)
@@ -59,7 +59,7 @@ def _tile_pid(tile_id, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.con
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
+def epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
               stride_o, HAS_BIAS: tl.constexpr):
     """out = (s_a * s_b) * acc (+ bias), all in fp32, cast once to out's dtype; masked to (M, N).
 
@@ -96,22 +96,22 @@ def _gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, strid
     b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BN, BK])
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_pid(tile_id, M, N, BM, BN, GROUP_M)
+        pid_m, pid_n = tile_pid(tile_id, M, N, BM, BN, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):
             a = a_desc.load([pid_m * BM, k])
             b = b_desc.load([pid_n * BN, k])
-            acc = _mma(a, b.T, acc, INTERP)
+            acc = mma(a, b.T, acc, INTERP)
         offs_m = pid_m * BM + tl.arange(0, BM)
         if EPI_SPLIT == 2:
             acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             offs_n = pid_n * BN + tl.arange(0, BN // 2)
-            _epilogue(acc0, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa,
+            epilogue(acc0, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa,
                       stride_sb, stride_o, HAS_BIAS)
-            _epilogue(acc1, offs_m, offs_n + BN // 2, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr,
+            epilogue(acc1, offs_m, offs_n + BN // 2, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr,
                       stride_sa, stride_sb, stride_o, HAS_BIAS)
         else:
-            _epilogue(acc, offs_m, pid_n * BN + tl.arange(0, BN), M, N, sa_ptr, sb_ptr, bias_ptr,
+            epilogue(acc, offs_m, pid_n * BN + tl.arange(0, BN), M, N, sa_ptr, sb_ptr, bias_ptr,
                       out_ptr, stride_sa, stride_sb, stride_o, HAS_BIAS)
 
 
@@ -125,7 +125,7 @@ def _epilogue_kernel(c_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_c, s
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     acc = tl.load(c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :], mask=mask,
                   other=0.0)
-    _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
+    epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_sa, stride_sb,
               stride_o, HAS_BIAS)
 
 
@@ -180,7 +180,7 @@ def default_method(m: int, n: int, k: int, device: torch.device) -> str:
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-def _kernel_out(m: int, n: int, out_dtype, device) -> torch.Tensor:
+def kernel_out(m: int, n: int, out_dtype, device) -> torch.Tensor:
     """The output buffer: fp32 under the interpreter (torch casts it), else ``out_dtype``."""
     dtype = torch.float32 if interpreting() else out_dtype
     return torch.empty((m, n), dtype=dtype, device=device)
@@ -199,7 +199,7 @@ def _gemm_launch(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Te
     (m, k), n = a_inner.shape, b_inner.shape[0]
     cfg = dict(cfg or gemm_config(k, out_dtype))
     programs = num_sms(a_inner.device) * cfg.pop("P", 1)
-    out = _kernel_out(m, n, out_dtype, a_inner.device)
+    out = kernel_out(m, n, out_dtype, a_inner.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
     args = (a_inner, b_inner, *scales, out, m, n, k, *strides, out.stride(0))
@@ -216,15 +216,6 @@ def triton_mm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tenso
     return out.to(out_dtype)
 
 
-def compiled_gemm(a_inner: torch.Tensor, a_outer: torch.Tensor, b_inner: torch.Tensor,
-                  b_outer: torch.Tensor, bias, out_dtype, cfg: Optional[dict] = None):
-    """The compiled TMA GEMM that :func:`triton_mm` with these arguments launches, for inspection
-    (``asm["ptx"]``, ``asm["cubin"]``, ``n_regs``); None before such a launch or under the
-    interpreter (``Launcher.compiled``)."""
-    _, _, args, kwargs = _gemm_launch(a_inner, a_outer, b_inner, b_outer, bias, out_dtype, cfg)
-    return _GEMM.compiled(*args, **kwargs)
-
-
 def mm_f32(a_inner: torch.Tensor, b_inner: torch.Tensor) -> torch.Tensor:
     """A_inner @ B_inner^T in fp32 from 16-bit operands (cuBLAS on CUDA; an fp32 matmul on CPU)."""
     if a_inner.is_cuda:
@@ -237,7 +228,7 @@ def apply_epilogue(c: torch.Tensor, a_outer: torch.Tensor, b_outer: torch.Tensor
     """(s_a * s_b) * C + bias for an fp32 (M, N) product C, one fp32 pass; in place for fp32 out."""
     cfg = dict(cfg or EPILOGUE_CONFIG)
     m, n = c.shape
-    out = c if out_dtype == torch.float32 else _kernel_out(m, n, out_dtype, c.device)
+    out = c if out_dtype == torch.float32 else kernel_out(m, n, out_dtype, c.device)
     scales, strides, flags = _epilogue_args(a_outer, b_outer, bias)
     grid = (cdiv(m, cfg["BM"]), cdiv(n, cfg["BN"]))
     _EPILOGUE[grid](c, *scales, out, m, n, c.stride(0), *strides, out.stride(0), **flags, **cfg)

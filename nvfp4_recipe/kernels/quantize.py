@@ -33,8 +33,9 @@ from ..operand import NVFP4Operand
 from ..spec import Block, Form, QuantSpec
 from . import amax as A
 from .dequantize import check_codes, dequant_job, load_codes_tile, store_inner_tile
-from .four_over_six import (candidate_error, candidates, fos_code, four_over_six_scale, in_range,
-                            lead_tile, pick, tile_sum)
+from .four_over_six import (candidate_error, candidates, four_over_six_constexprs,
+                            four_over_six_names, four_over_six_scale, in_range, lead_tile, pick,
+                            tile_sum)
 from .hadamard import rht16
 from .philox import bits16
 from .rounding import (RN_OFFSET, SR_OFFSET, block_scale, e2m1_rn, e2m1_sr, e2m1_value, outer_scales,
@@ -123,18 +124,21 @@ def inner16(v, bits, scale, mul16, SR: tl.constexpr):
 
 @triton.jit
 def quantize_block(y, s_enc6, s_dec, amax, seed, counter, mul16, SR: tl.constexpr,
-                   INNER: tl.constexpr, FOS: tl.constexpr):
+                   INNER: tl.constexpr, FOUR_OVER_SIX_E4M3_MAX: tl.constexpr,
+                   FOUR_OVER_SIX_MSE: tl.constexpr, FOUR_OVER_SIX_FAST_MATH: tl.constexpr):
     """Quantize fp32 (A, B, 16) blocks along the last axis (spec items 2-6, 11).
 
     s_enc6, s_dec, amax: S_enc * (1/6) (S_enc with 4/6), S_dec and the amax they come from
     (:func:`outer_scales`), broadcasting against (A, B).
     counter: (A, B) uint32 Philox counter of each block (SR only).
-    FOS: 4/6 (``four_over_six.fos_code``; 0: off).
+    FOUR_OVER_SIX_*: the 4/6 settings (``four_over_six.four_over_six_constexprs``; an E4M3 bound
+    of 0: without 4/6).
     Returns ((A, B) uint64 words of the 16 packed codes, (A, B) int32 E4M3 scale codes), or with
     INNER the (A, B, 16) float16 inner values of :func:`inner16` (and the scale codes).
     """
-    if FOS:
-        scode, scale, enc = four_over_six_scale(y, s_enc6, s_dec, amax, FOS)
+    if FOUR_OVER_SIX_E4M3_MAX:
+        scode, scale, enc = four_over_six_scale(y, s_enc6, s_dec, amax, FOUR_OVER_SIX_E4M3_MAX,
+                                                FOUR_OVER_SIX_MSE, FOUR_OVER_SIX_FAST_MATH)
     else:
         scode, scale, enc = block_scale(abs_max16(y), s_enc6, s_dec)
     v = y * enc[:, :, None]
@@ -171,25 +175,27 @@ def _configs(loop: bool = False, lead: Optional[Tuple[int, int, int]] = None):
 # 1D kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _u32(x):
+def u32(x):
+    """x as uint32 (wrapping): the SR counters' arithmetic, which wraps as Philox's does."""
     return tl.cast(x, tl.uint32)
 
 
 @triton.jit
-def _scales(amax_ptr, o_ptr, rows, n, mult, PER_TOKEN: tl.constexpr, MULT: tl.constexpr,
-            first_col, first, FOS: tl.constexpr):
+def _scales(amax_ptr, o_ptr, rows, n, amax_scale, PER_TOKEN: tl.constexpr,
+            HAS_AMAX_SCALE: tl.constexpr, first_col, first, FOUR_OVER_SIX_E4M3_MAX: tl.constexpr):
     """(S_enc * (1/6), S_dec, amax) of operand rows ``rows`` ((X,), those < n) when PER_TOKEN, as
     (X, 1) tensors, else of the tensor (scalars) (``rounding.outer_scales``); S_dec, the outer
     scale, is written by the programs holding the first column of those rows (``first_col``),
     or by the ``first`` program when per tensor."""
     if PER_TOKEN:
         idx = rows[:, None]
-        s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr + idx, mask=idx < n, other=0.0), mult,
-                                           MULT, FOS)
+        s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr + idx, mask=idx < n, other=0.0),
+                                           amax_scale, HAS_AMAX_SCALE, FOUR_OVER_SIX_E4M3_MAX)
         if first_col:
             tl.store(o_ptr + idx, s_dec, mask=idx < n)
     else:
-        s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr), mult, MULT, FOS)
+        s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr), amax_scale, HAS_AMAX_SCALE,
+                                           FOUR_OVER_SIX_E4M3_MAX)
         if first:
             tl.store(o_ptr, s_dec)
     return s_enc6, s_dec, amax
@@ -206,16 +212,19 @@ def store_inner16(q_ptr, row, blk, n_cols, vals, mask):
 
 
 @triton.jit
-def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, amax, seed, offset,
-                    mul16, SR: tl.constexpr, INNER: tl.constexpr, FOS: tl.constexpr):
+def quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, amax, seed, offset,
+                   mul16, SR: tl.constexpr, INNER: tl.constexpr,
+                   FOUR_OVER_SIX_E4M3_MAX: tl.constexpr, FOUR_OVER_SIX_MSE: tl.constexpr,
+                   FOUR_OVER_SIX_FAST_MATH: tl.constexpr):
     """Quantize fp32 (BB, BC, 16) blocks of operand rows ``row`` and block columns ``blk``
     (index tensors broadcasting to (BB, BC)) of an (n_rows, n_cols) operand; store the codes at
     q_ptr (int64 view of the (n_rows, n_cols / 2) bytes) and the scales at s_ptr, or with INNER
     the fp16 inner values at q_ptr ((n_rows, n_cols); s_ptr unused). A block's Philox counter is
     offset + its index in the row-major (n_rows, n_cols / 16) block grid (``reference.sr_bits``)."""
     idx = row * (n_cols // 16) + blk
-    out, scode = quantize_block(y, s_enc6, s_dec, amax, seed, _u32(offset) + _u32(idx), mul16, SR,
-                                INNER, FOS)
+    out, scode = quantize_block(y, s_enc6, s_dec, amax, seed, u32(offset) + u32(idx), mul16, SR,
+                                INNER, FOUR_OVER_SIX_E4M3_MAX, FOUR_OVER_SIX_MSE,
+                                FOUR_OVER_SIX_FAST_MATH)
     mask = (row < n_rows) & (blk < n_cols // 16)
     if INNER:
         store_inner16(q_ptr, row, blk, n_cols, out, mask)
@@ -225,48 +234,59 @@ def _quantize_store(y, row, blk, n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec, am
 
 
 @triton.jit
-def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, mult, off_arg,
-                   signs_ptr, seed, mul16, first_col, first, OFF_PTR: tl.constexpr,
-                   PER_TOKEN: tl.constexpr, MULT: tl.constexpr, RHT: tl.constexpr,
-                   SR: tl.constexpr, INNER: tl.constexpr, FOS: tl.constexpr):
+def _quantize_copy(y, rows, blk, n_rows, n_cols, q_ptr, s_ptr, o_ptr, amax_ptr, amax_scale,
+                   off_arg, signs_ptr, seed, mul16, first_col, first, OFF_PTR: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, HAS_AMAX_SCALE: tl.constexpr, RHT: tl.constexpr,
+                   SR: tl.constexpr, INNER: tl.constexpr, FOUR_OVER_SIX_E4M3_MAX: tl.constexpr,
+                   FOUR_OVER_SIX_MSE: tl.constexpr, FOUR_OVER_SIX_FAST_MATH: tl.constexpr):
     """One copy of a program's tile in :func:`_quantize_1d_kernel`: the outer scales of operand
     rows ``rows`` (:func:`_scales`), the RHT of the (len(rows), len(blk), 16) blocks ``y`` (in the
-    input dtype) rounded back to that dtype if RHT, then :func:`_quantize_store` of them into an
+    input dtype) rounded back to that dtype if RHT, then :func:`quantize_store` of them into an
     (n_rows, n_cols) operand."""
-    s_enc6, s_dec, amax = _scales(amax_ptr, o_ptr, rows, n_rows, mult, PER_TOKEN, MULT, first_col,
-                                  first, FOS)
+    s_enc6, s_dec, amax = _scales(amax_ptr, o_ptr, rows, n_rows, amax_scale, PER_TOKEN,
+                                  HAS_AMAX_SCALE, first_col, first, FOUR_OVER_SIX_E4M3_MAX)
     if RHT:
         yf = round_to(rht16(y.to(tl.float32), tl.load(signs_ptr + tl.arange(0, 16))), y.dtype)
     else:
         yf = y.to(tl.float32)
-    _quantize_store(yf, rows[:, None], blk[None, :], n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec,
-                    amax, seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, INNER, FOS)
+    quantize_store(yf, rows[:, None], blk[None, :], n_rows, n_cols, q_ptr, s_ptr, s_enc6, s_dec,
+                   amax, seed, scalar_arg(off_arg, OFF_PTR), mul16, SR, INNER,
+                   FOUR_OVER_SIX_E4M3_MAX, FOUR_OVER_SIX_MSE, FOUR_OVER_SIX_FAST_MATH)
 
 
-@autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_MULT",
-                                    "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN", "COL_MULT",
-                                    "COL_INNER", "ROW_FOS", "COL_FOS", "DEQ", "D_R", "D_KB"],
-          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_FOS", "COL_FOS")))
+@autotune(configs=_configs(), key=["M", "K", "ROW", "ROW_SR", "ROW_PER_TOKEN", "ROW_HAS_AMAX_SCALE",
+                                    "ROW_INNER", "COL_RHT", "COL_SR", "COL_PER_TOKEN",
+                                    "COL_HAS_AMAX_SCALE", "COL_INNER",
+                                    *four_over_six_names("ROW_", "COL_"), "DEQUANTIZE", "deq_rows",
+                                    "deq_row_bytes"],
+          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("ROW_", "COL_")))
 @triton.jit
 def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16,
-                        rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
-                        cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg,
-                        dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
+                        rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_amax_scale, roff_arg,
+                        cq_ptr, cs_ptr, co_ptr, camax_ptr, c_amax_scale, coff_arg,
+                        deq_q_ptr, deq_s_ptr, deq_out_ptr, deq_rows, deq_row_bytes, deq_stride_q,
+                        deq_stride_s, deq_stride_o,
                         ROW: tl.constexpr, ROW_SR: tl.constexpr, ROW_PER_TOKEN: tl.constexpr,
-                        ROW_MULT: tl.constexpr, ROW_INNER: tl.constexpr, COL_RHT: tl.constexpr,
-                        COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr, COL_MULT: tl.constexpr,
-                        COL_INNER: tl.constexpr, ROW_FOS: tl.constexpr, COL_FOS: tl.constexpr,
+                        ROW_HAS_AMAX_SCALE: tl.constexpr, ROW_INNER: tl.constexpr,
+                        COL_RHT: tl.constexpr, COL_SR: tl.constexpr, COL_PER_TOKEN: tl.constexpr,
+                        COL_HAS_AMAX_SCALE: tl.constexpr, COL_INNER: tl.constexpr,
+                        ROW_FOUR_OVER_SIX_E4M3_MAX: tl.constexpr,
+                        ROW_FOUR_OVER_SIX_MSE: tl.constexpr,
+                        ROW_FOUR_OVER_SIX_FAST_MATH: tl.constexpr,
+                        COL_FOUR_OVER_SIX_E4M3_MAX: tl.constexpr,
+                        COL_FOUR_OVER_SIX_MSE: tl.constexpr,
+                        COL_FOUR_OVER_SIX_FAST_MATH: tl.constexpr,
                         SEED_PTR: tl.constexpr, ROFF_PTR: tl.constexpr, COFF_PTR: tl.constexpr,
-                        DEQ: tl.constexpr, D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr,
-                        D_H: tl.constexpr, D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr,
+                        DEQUANTIZE: tl.constexpr, DEQ_BLOCK_2D: tl.constexpr, DEQ_BR: tl.constexpr,
+                        DEQ_H: tl.constexpr, DEQ_EVEN_K: tl.constexpr, DEQ_PTX: tl.constexpr,
                         BB: tl.constexpr, BC: tl.constexpr):
     """The kernel of calls with a columnwise copy (and an optional rowwise one, ROW). One
     (16 BB, 16 BC) tile of x per program. Rowwise: the tile's (16 BB, BC, 16) row blocks;
     columnwise: its (16 BC, BB, 16) column blocks, read again right after (L1/L2 hits).
-    With DEQ each program then takes every num_programs-th tile of another operand's dequantize
-    pass (``dequantize.load_codes_tile``, ``store_inner_tile``): memory traffic that overlaps the
-    issue-bound arithmetic of the other programs on the SM, where a dequantize kernel on another
-    stream did not. Loading the tile early, into registers or L2, measured slower."""
+    With DEQUANTIZE each program then takes every num_programs-th tile of another operand's
+    dequantize pass (:func:`ride_dequantize`): memory traffic that overlaps the issue-bound
+    arithmetic of the other programs on the SM, where a dequantize kernel on another stream did
+    not. Loading the tile early, into registers or L2, measured slower."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     seed = scalar_arg(seed_arg, SEED_PTR)
@@ -275,45 +295,55 @@ def _quantize_1d_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mu
         m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)
         c = pid_c * BC + tl.arange(0, BC)
         y = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
-        _quantize_copy(y, m, c, M, K, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_mult, roff_arg,
-                       signs_ptr, seed, mul16, pid_c == 0, first, ROFF_PTR, ROW_PER_TOKEN,
-                       ROW_MULT, False, ROW_SR, ROW_INNER, ROW_FOS)
+        _quantize_copy(y, m, c, M, K, rq_ptr, rs_ptr, ro_ptr, ramax_ptr, r_amax_scale,
+                       roff_arg, signs_ptr, seed, mul16, pid_c == 0, first, ROFF_PTR,
+                       ROW_PER_TOKEN, ROW_HAS_AMAX_SCALE, False, ROW_SR, ROW_INNER,
+                       ROW_FOUR_OVER_SIX_E4M3_MAX, ROW_FOUR_OVER_SIX_MSE,
+                       ROW_FOUR_OVER_SIX_FAST_MATH)
     # operand x^T (K, M): rows k, block columns b
     k = pid_c * (16 * BC) + tl.arange(0, 16 * BC)
     b = pid_b * BB + tl.arange(0, BB)
     y = load_col_blocks(x_ptr, k, b, M, K, stride_m, stride_k)
-    _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_mult, coff_arg, signs_ptr,
-                   seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN, COL_MULT, COL_RHT,
-                   COL_SR, COL_INNER, COL_FOS)
-    if DEQ:
-        ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
-                        D_BLOCK_2D, D_BR, D_H, D_EVEN_K, D_PTX)
+    _quantize_copy(y, k, b, K, M, cq_ptr, cs_ptr, co_ptr, camax_ptr, c_amax_scale, coff_arg,
+                   signs_ptr, seed, mul16, pid_b == 0, first, COFF_PTR, COL_PER_TOKEN,
+                   COL_HAS_AMAX_SCALE, COL_RHT, COL_SR, COL_INNER, COL_FOUR_OVER_SIX_E4M3_MAX,
+                   COL_FOUR_OVER_SIX_MSE, COL_FOUR_OVER_SIX_FAST_MATH)
+    if DEQUANTIZE:
+        ride_dequantize(deq_q_ptr, deq_s_ptr, deq_out_ptr, deq_rows, deq_row_bytes, deq_stride_q,
+                        deq_stride_s, deq_stride_o, DEQ_BLOCK_2D, DEQ_BR, DEQ_H, DEQ_EVEN_K,
+                        DEQ_PTX)
 
 
 @triton.jit
-def ride_dequantize(dq_ptr, ds_ptr, dout_ptr, D_R, D_KB, d_stride_q, d_stride_s, d_stride_o,
-                    D_BLOCK_2D: tl.constexpr, D_BR: tl.constexpr, D_H: tl.constexpr,
-                    D_EVEN_K: tl.constexpr, D_PTX: tl.constexpr):
+def ride_dequantize(deq_q_ptr, deq_s_ptr, deq_out_ptr, deq_rows, deq_row_bytes, deq_stride_q,
+                    deq_stride_s, deq_stride_o, DEQ_BLOCK_2D: tl.constexpr, DEQ_BR: tl.constexpr,
+                    DEQ_H: tl.constexpr, DEQ_EVEN_K: tl.constexpr, DEQ_PTX: tl.constexpr):
     """This program's share of another operand's dequantize pass, run at the end of a quantize
     kernel with a 2-D grid: every num_programs-th tile (``dequantize.load_codes_tile``,
-    ``store_inner_tile``; the arguments of ``dequantize.dequant_job``)."""
+    ``store_inner_tile``). The operand has ``deq_rows`` rows of ``deq_row_bytes`` packed bytes
+    (K / 2); the arguments and the DEQ_* constexprs are those of ``dequantize.dequant_job``
+    (:func:`dequantize_job`)."""
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     for t in range(tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                   tl.cdiv(D_R, D_BR) * tl.cdiv(D_KB, D_H), n_prog):
-        q, s = load_codes_tile(dq_ptr, ds_ptr, D_R, D_KB, d_stride_q, d_stride_s, t,
-                               D_BLOCK_2D, D_BR, D_H, D_EVEN_K)
-        store_inner_tile(q, s, dout_ptr, D_R, D_KB, d_stride_o, t, D_BR, D_H, D_EVEN_K, D_PTX)
+                   tl.cdiv(deq_rows, DEQ_BR) * tl.cdiv(deq_row_bytes, DEQ_H), n_prog):
+        q, s = load_codes_tile(deq_q_ptr, deq_s_ptr, deq_rows, deq_row_bytes, deq_stride_q,
+                               deq_stride_s, t, DEQ_BLOCK_2D, DEQ_BR, DEQ_H, DEQ_EVEN_K)
+        store_inner_tile(q, s, deq_out_ptr, deq_rows, deq_row_bytes, deq_stride_o, t, DEQ_BR,
+                         DEQ_H, DEQ_EVEN_K, DEQ_PTX)
 
 
-@autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "MULT", "INNER", "RHT",
-                                             "FOS"],
+@autotune(configs=_configs(loop=True), key=["M", "K", "SR", "PER_TOKEN", "HAS_AMAX_SCALE", "INNER",
+                                             "RHT", *four_over_six_names("")],
           prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"] * c.kwargs["T"]))
 @triton.jit
 def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, mul16, q_ptr,
-                          s_ptr, o_ptr, amax_ptr, mult, off_arg, SR: tl.constexpr,
-                          PER_TOKEN: tl.constexpr, MULT: tl.constexpr, INNER: tl.constexpr,
-                          RHT: tl.constexpr, FOS: tl.constexpr, SEED_PTR: tl.constexpr,
-                          OFF_PTR: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, T: tl.constexpr):
+                          s_ptr, o_ptr, amax_ptr, amax_scale, off_arg, SR: tl.constexpr,
+                          PER_TOKEN: tl.constexpr, HAS_AMAX_SCALE: tl.constexpr,
+                          INNER: tl.constexpr, RHT: tl.constexpr,
+                          FOUR_OVER_SIX_E4M3_MAX: tl.constexpr, FOUR_OVER_SIX_MSE: tl.constexpr,
+                          FOUR_OVER_SIX_FAST_MATH: tl.constexpr, SEED_PTR: tl.constexpr,
+                          OFF_PTR: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr,
+                          T: tl.constexpr):
     """The rowwise-only kernel (calls without a columnwise copy; with one, the loop measured slower
     than :func:`_quantize_1d_kernel`). T tiles of (16 BB, 16 BC) elements of x per program, along
     K, in a loop that loads the next tile's (16 BB, BC, 16) row blocks while it quantizes the
@@ -326,8 +356,8 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
     off = scalar_arg(off_arg, OFF_PTR)
     m = pid_b * (16 * BB) + tl.arange(0, 16 * BB)  # rows of x
     c = pid_c * (T * BC) + tl.arange(0, BC)  # block columns of x, first tile
-    s_enc6, s_dec, amax = _scales(amax_ptr, o_ptr, m, M, mult, PER_TOKEN, MULT, pid_c == 0,
-                                  (pid_b == 0) & (pid_c == 0), FOS)
+    s_enc6, s_dec, amax = _scales(amax_ptr, o_ptr, m, M, amax_scale, PER_TOKEN, HAS_AMAX_SCALE,
+                                  pid_c == 0, (pid_b == 0) & (pid_c == 0), FOUR_OVER_SIX_E4M3_MAX)
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if RHT else None
     x = load_row_blocks(x_ptr, m, c, M, K, stride_m, stride_k)
     for t in range(T):
@@ -335,8 +365,9 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
         y = x.to(tl.float32)
         if RHT:
             y = round_to(rht16(y, signs), x.dtype)
-        _quantize_store(y, m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6, s_dec, amax, seed,
-                        off, mul16, SR, INNER, FOS)
+        quantize_store(y, m[:, None], c[None, :], M, K, q_ptr, s_ptr, s_enc6, s_dec, amax, seed,
+                       off, mul16, SR, INNER, FOUR_OVER_SIX_E4M3_MAX, FOUR_OVER_SIX_MSE,
+                       FOUR_OVER_SIX_FAST_MATH)
         x = x_next
         c += BC
 
@@ -344,19 +375,23 @@ def _quantize_rows_kernel(x_ptr, M, K, stride_m, stride_k, signs_ptr, seed_arg, 
 # ----------------------------------------------------------------------------------------------
 # 2D kernel
 # ----------------------------------------------------------------------------------------------
-@autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "MULT", "INNER",
-                                                  "FOS"],
-          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("FOS")))
+@autotune(configs=_configs(lead=(4, 8, 4)), key=["N", "K", "W", "WT", "SR", "HAS_AMAX_SCALE",
+                                                  "INNER", *four_over_six_names("")],
+          prune=prune_wide_tiles(lambda c: 16 * c.kwargs["BC"], lead_tile("")))
 @triton.jit
-def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed_arg, off_arg, mul16,
-                        q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
-                        W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                        INNER: tl.constexpr, FOS: tl.constexpr, SEED_PTR: tl.constexpr,
+def _quantize_2d_kernel(w_ptr, N, K, stride_n, stride_k, amax_ptr, amax_scale, seed_arg, off_arg,
+                        mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
+                        W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr,
+                        HAS_AMAX_SCALE: tl.constexpr, INNER: tl.constexpr,
+                        FOUR_OVER_SIX_E4M3_MAX: tl.constexpr, FOUR_OVER_SIX_MSE: tl.constexpr,
+                        FOUR_OVER_SIX_FAST_MATH: tl.constexpr, SEED_PTR: tl.constexpr,
                         OFF_PTR: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
     """W (N, K) in 16x16 blocks, a (16 BB, 16 BC) tile per program (:func:`quantize_2d_tile`)."""
-    quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, scalar_arg(seed_arg, SEED_PTR),
-                     scalar_arg(off_arg, OFF_PTR), mul16, q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr,
-                     tl.program_id(0), tl.program_id(1), W, WT, SR, MULT, INNER, FOS, BB, BC)
+    quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, amax_scale,
+                     scalar_arg(seed_arg, SEED_PTR), scalar_arg(off_arg, OFF_PTR), mul16, q_ptr,
+                     s_ptr, qt_ptr, st_ptr, o_ptr, tl.program_id(0), tl.program_id(1), W, WT, SR,
+                     HAS_AMAX_SCALE, INNER, FOUR_OVER_SIX_E4M3_MAX, FOUR_OVER_SIX_MSE,
+                     FOUR_OVER_SIX_FAST_MATH, BB, BC)
 
 
 @triton.jit
@@ -366,34 +401,40 @@ def _row_blocks_of(t, BB: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _tile_scales(rows, tile_amax, s_enc, s_dec, amax, FOS: tl.constexpr, FAST: tl.constexpr,
-                 BB: tl.constexpr, BC: tl.constexpr):
-    c4, v4, e4, c6, v6, e6 = candidates(tile_amax, s_enc, s_dec, FAST)
+def _tile_scales(rows, tile_amax, s_enc, s_dec, amax, E4M3_MAX: tl.constexpr, MSE: tl.constexpr,
+                 FAST_MATH: tl.constexpr, FP32_DIV: tl.constexpr, BB: tl.constexpr,
+                 BC: tl.constexpr):
+    c4, v4, e4, c6, v6, e6 = candidates(tile_amax, s_enc, s_dec, FP32_DIV)
     err4 = candidate_error(rows, _row_blocks_of(e4, BB, BC), _row_blocks_of(v4, BB, BC), s_enc,
-                           amax, FOS, FAST)
+                           amax, E4M3_MAX, MSE, FAST_MATH, FP32_DIV)
     err6 = candidate_error(rows, _row_blocks_of(e6, BB, BC), _row_blocks_of(v6, BB, BC), s_enc,
-                           amax, FOS, FAST)
+                           amax, E4M3_MAX, MSE, FAST_MATH, FP32_DIV)
     return pick(tile_sum(err4, BB, BC) < tile_sum(err6, BB, BC), c4, v4, e4, c6, v6, e6)
 
 
 @triton.jit
-def _four_over_six_tiles(rows, tile_amax, s_enc, s_dec, amax, FOS: tl.constexpr, BB: tl.constexpr,
+def _four_over_six_tiles(rows, tile_amax, s_enc, s_dec, amax, E4M3_MAX: tl.constexpr,
+                         MSE: tl.constexpr, FAST_MATH: tl.constexpr, BB: tl.constexpr,
                          BC: tl.constexpr):
     """4/6 scales of (BB, BC) 16x16 tiles (``four_over_six.four_over_six_scale`` with each
     candidate's error summed over the tile's 16 row blocks ``rows`` (16 BB, BC, 16) fp32, in
     TE's tree order): (code, value, encode scale), each (BB, BC)."""
     if in_range(amax, tile_amax):
-        code, value, enc = _tile_scales(rows, tile_amax, s_enc, s_dec, amax, FOS, True, BB, BC)
+        code, value, enc = _tile_scales(rows, tile_amax, s_enc, s_dec, amax, E4M3_MAX, MSE,
+                                        FAST_MATH, True, BB, BC)
     else:
-        code, value, enc = _tile_scales(rows, tile_amax, s_enc, s_dec, amax, FOS, False, BB, BC)
+        code, value, enc = _tile_scales(rows, tile_amax, s_enc, s_dec, amax, E4M3_MAX, MSE,
+                                        FAST_MATH, False, BB, BC)
     return code, value, enc
 
 
 @triton.jit
-def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off, mul16,
+def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, amax_scale, seed, off, mul16,
                      q_ptr, s_ptr, qt_ptr, st_ptr, o_ptr, pid_b, pid_c,
-                     W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr, MULT: tl.constexpr,
-                     INNER: tl.constexpr, FOS: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
+                     W: tl.constexpr, WT: tl.constexpr, SR: tl.constexpr,
+                     HAS_AMAX_SCALE: tl.constexpr, INNER: tl.constexpr,
+                     FOUR_OVER_SIX_E4M3_MAX: tl.constexpr, FOUR_OVER_SIX_MSE: tl.constexpr,
+                     FOUR_OVER_SIX_FAST_MATH: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
     """Tile (pid_b, pid_c) of W (N, K) in 16x16 blocks: codes stored packed along the rows (q_ptr:
     int64 view of W's (N, K/2) bytes; with INNER, W's fp16 inner values instead, q_ptr an (N, K)
     float16 matrix, s_ptr unused) and along the columns (qt_ptr: int64 view of W^T's (K, N/2)
@@ -404,14 +445,17 @@ def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off,
     b = pid_b * BB + tl.arange(0, BB)
     c = pid_c * BC + tl.arange(0, BC)
     rows = load_row_blocks(w_ptr, n, c, N, K, stride_n, stride_k)  # [n, c, i] = w[n, 16c + i]
-    s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr), mult, MULT, FOS)
+    s_enc6, s_dec, amax = outer_scales(tl.load(amax_ptr), amax_scale, HAS_AMAX_SCALE,
+                                       FOUR_OVER_SIX_E4M3_MAX)
     if (pid_b == 0) & (pid_c == 0):
         tl.store(o_ptr, s_dec)
     a16 = abs_max16_bits(rows)
     a = tl.max(tl.reshape(a16, (BB, 16, BC)), axis=1).to(a16.dtype)  # tile amax, input bits
-    if FOS:
+    if FOUR_OVER_SIX_E4M3_MAX:
         scode, scale, enc = _four_over_six_tiles(rows.to(tl.float32), bits_to_float(a, rows.dtype),
-                                                 s_enc6, s_dec, amax, FOS, BB, BC)
+                                                 s_enc6, s_dec, amax, FOUR_OVER_SIX_E4M3_MAX,
+                                                 FOUR_OVER_SIX_MSE, FOUR_OVER_SIX_FAST_MATH, BB,
+                                                 BC)
     else:
         scode, scale, enc = block_scale(bits_to_float(a, rows.dtype), s_enc6, s_dec)  # (BB, BC)
     mask = (b < N // 16)[:, None] & (c < K // 16)[None, :]
@@ -421,7 +465,7 @@ def quantize_2d_tile(w_ptr, N, K, stride_n, stride_k, amax_ptr, mult, seed, off,
         tl.store(st_ptr + c[None, :] * (N // 16) + b[:, None], scode.to(tl.uint8), mask=mask)
     bits = 0
     if SR:  # W's row-major element order
-        counter = _u32(off) + _u32(n[:, None]) * _u32(K // 16) + _u32(c[None, :])
+        counter = u32(off) + u32(n[:, None]) * u32(K // 16) + u32(c[None, :])
         bits = bits16(seed, counter)  # (16 BB, BC, 16)
     if W:
         enc_r = _row_blocks_of(enc, BB, BC)
@@ -458,7 +502,7 @@ def empty_copy(rows: int, cols: int, spec: QuantSpec, inner: bool, outer_shape: 
                device) -> NVFP4Operand:
     """The empty output of a 1d copy of ``rows`` rows and ``cols`` columns quantized under
     ``spec``: codes and scales (the scales as uint8 until the kernel has written them,
-    :func:`_finished`) or, with ``inner``, float16 inner values; an fp32 outer scale of
+    :func:`scales_as_e4m3`) or, with ``inner``, float16 inner values; an fp32 outer scale of
     ``outer_shape``."""
     outer = empty(outer_shape, torch.float32, device)
     if inner:
@@ -469,14 +513,16 @@ def empty_copy(rows: int, cols: int, spec: QuantSpec, inner: bool, outer_shape: 
                         spec)
 
 
-def _pointers(q: NVFP4Operand) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(q_ptr, s_ptr) arguments of :func:`_quantize_store` for an output."""
+def output_pointers(q: NVFP4Operand) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q_ptr, s_ptr) arguments of :func:`quantize_store` for an output."""
     if q.form is Form.VALUES:
         return q.values, q.values
     return q.qdata.view(torch.int64), q.scale
 
 
-def _finished(q: NVFP4Operand) -> NVFP4Operand:
+def scales_as_e4m3(q: NVFP4Operand) -> NVFP4Operand:
+    """A written output with its block scales viewed as float8_e4m3fn (the kernels store the
+    E4M3 codes into uint8)."""
     return q if q.scale is None else q._replace(scale=q.scale.view(torch.float8_e4m3fn))
 
 
@@ -554,40 +600,43 @@ def quantize_1d(x: torch.Tensor, row: Optional[QuantSpec] = None, col: Optional[
     if c is None:  # rowwise only: the prefetch loop kernel (T tiles per program)
         grid = lambda meta: (cdiv(m, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"] * meta["T"]))
         _ROWS[grid](
-            x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16, *_pointers(r), r.outer_scale,
-            row_amax, float(row.amax_scale or 1.0), roff_a, SR=row.sr, PER_TOKEN=row.per_token,
-            MULT=row.amax_scale is not None, INNER=inner[0], RHT=row.rht,
-            FOS=fos_code(row.four_over_six), SEED_PTR=seed_p, OFF_PTR=roff_p)
-        return _finished(r), None
+            x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16, *output_pointers(r),
+            r.outer_scale, row_amax, float(row.amax_scale or 1.0), roff_a, SR=row.sr,
+            PER_TOKEN=row.per_token, HAS_AMAX_SCALE=row.amax_scale is not None, INNER=inner[0],
+            RHT=row.rht,
+            **four_over_six_constexprs(row.four_over_six), SEED_PTR=seed_p, OFF_PTR=roff_p)
+        return scales_as_e4m3(r), None
     dummy = x
     d_args, d_consts = dequantize_job(dequantize, dummy)
     grid = lambda meta: (cdiv(m, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]))
     _PAIR[grid](
         x, m, k, x.stride(0), x.stride(1), signs_t, seed_a, 16,
-        *(_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
+        *(output_pointers(r) if r else (dummy, dummy)), r.outer_scale if r else dummy,
         row_amax if r else dummy, float(row.amax_scale or 1.0) if r else 1.0, roff_a,
-        *_pointers(c), c.outer_scale, col_amax, float(col.amax_scale or 1.0), coff_a, *d_args,
-        DEQ=dequantize is not None, **d_consts,
+        *output_pointers(c), c.outer_scale, col_amax, float(col.amax_scale or 1.0), coff_a,
+        *d_args, **d_consts,
         ROW=r is not None, ROW_SR=bool(row and row.sr), ROW_PER_TOKEN=bool(row and row.per_token),
-        ROW_MULT=bool(row and row.amax_scale is not None), ROW_INNER=bool(row and inner[0]),
-        COL_RHT=col.rht, COL_SR=col.sr, COL_PER_TOKEN=col.per_token,
-        COL_MULT=col.amax_scale is not None, COL_INNER=inner[1],
-        ROW_FOS=fos_code(row.four_over_six) if row else 0, COL_FOS=fos_code(col.four_over_six),
+        ROW_HAS_AMAX_SCALE=bool(row and row.amax_scale is not None),
+        ROW_INNER=bool(row and inner[0]), COL_RHT=col.rht, COL_SR=col.sr,
+        COL_PER_TOKEN=col.per_token, COL_HAS_AMAX_SCALE=col.amax_scale is not None,
+        COL_INNER=inner[1], **four_over_six_constexprs(row and row.four_over_six, "ROW_"),
+        **four_over_six_constexprs(col.four_over_six, "COL_"),
         SEED_PTR=seed_p, ROFF_PTR=roff_p, COFF_PTR=coff_p)
-    return (_finished(r) if r else None, _finished(c))
+    return (scales_as_e4m3(r) if r else None, scales_as_e4m3(c))
 
 
 def dequantize_job(dequantize, x: torch.Tensor):
-    """The dequantize arguments and ``D_*`` constexprs of :func:`ride_dequantize` for a quantize
-    kernel of x given ``dequantize=(op, out)`` (dummies for None), checked.
+    """The dequantize arguments and the DEQUANTIZE and ``DEQ_*`` constexprs of
+    :func:`ride_dequantize` for a quantize kernel of x given ``dequantize=(op, out)`` (dummies and
+    DEQUANTIZE False for None), checked.
 
     Raises:
         TypeError: out's dtype, or op's (``dequantize.check_codes``). ValueError: op's layout,
             out's shape or strides, tensors on another device than x.
     """
     if dequantize is None:
-        return (x, x, x, 0, 0, 0, 0, 0), dict(D_BLOCK_2D=False, D_BR=1, D_H=1, D_EVEN_K=True,
-                                               D_PTX=False)
+        return (x, x, x, 0, 0, 0, 0, 0), dict(DEQUANTIZE=False, DEQ_BLOCK_2D=False, DEQ_BR=1,
+                                               DEQ_H=1, DEQ_EVEN_K=True, DEQ_PTX=False)
     op, out = dequantize
     op = check_codes("dequantize", op, outer=False)
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -599,7 +648,7 @@ def dequantize_job(dequantize, x: torch.Tensor):
         raise ValueError(f"dequantize: its tensors are on {op.qdata.device} and {out.device}, x "
                          f"on {x.device}")
     args, consts, _ = dequant_job(op, out)
-    return args, {f"D_{k}": v for k, v in consts.items()}
+    return args, {"DEQUANTIZE": True, **{f"DEQ_{k}": v for k, v in consts.items()}}
 
 
 def amax_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec],
@@ -609,11 +658,7 @@ def amax_pass(x: torch.Tensor, row: Optional[QuantSpec], col: Optional[QuantSpec
     columnwise one): (row amax or None, column amax or None), fp32 device tensors, () or per
     index. An amax is of the RHT output when its copy has ``rht`` and no amax_scale (estimation
     skips that pass)."""
-    def mode(spec):
-        if spec is None:
-            return A.NONE
-        return A.PER_INDEX if spec.per_token else A.TENSOR
-    r_mode, c_mode = mode(row), mode(col)
+    r_mode, c_mode = A.amax_mode(row), A.amax_mode(col)
     if row and row.rht and row.amax_scale is None:  # the RHT along K: row blocks, a pass of its own
         return (A.amax(x, r_mode, A.NONE, signs=signs, row_rht=True)[0],
                 amax_pass(x, None, col, signs)[1] if col else None)
@@ -660,11 +705,11 @@ def quantize_2d(w: torch.Tensor, spec: QuantSpec = QuantSpec(Block.D2), *, seed:
     grid = lambda meta: (cdiv(n, 16 * meta["BB"]), cdiv(k, 16 * meta["BC"]))
     _2D[grid](
         w, n, k, w.stride(0), w.stride(1), amax_, float(spec.amax_scale or 1.0), seed_a, off_a, 16,
-        *(_pointers(wq) if wq else (w, w)), *(_pointers(wtq) if wtq else (w, w)), outer,
-        W=write_w, WT=write_wt, SR=spec.sr, MULT=spec.amax_scale is not None,
-        INNER=bool(inner and write_w), FOS=fos_code(spec.four_over_six), SEED_PTR=seed_p,
-        OFF_PTR=off_p)
-    return (_finished(wq) if wq else None), (_finished(wtq) if wtq else None)
+        *(output_pointers(wq) if wq else (w, w)), *(output_pointers(wtq) if wtq else (w, w)),
+        outer, W=write_w, WT=write_wt, SR=spec.sr, HAS_AMAX_SCALE=spec.amax_scale is not None,
+        INNER=bool(inner and write_w), **four_over_six_constexprs(spec.four_over_six),
+        SEED_PTR=seed_p, OFF_PTR=off_p)
+    return (scales_as_e4m3(wq) if wq else None), (scales_as_e4m3(wtq) if wtq else None)
 
 
 def empty_2d(lead: Tuple[int, ...], n: int, k: int, spec: QuantSpec, write_w: bool,
@@ -672,7 +717,7 @@ def empty_2d(lead: Tuple[int, ...], n: int, k: int, spec: QuantSpec, write_w: bo
              device) -> Tuple[Optional[NVFP4Operand], Optional[NVFP4Operand], torch.Tensor]:
     """The empty outputs (W, W^T, outer scale) of a 2d quantization of (*lead, N, K) weights
     under ``spec`` (a Block.D2 spec, which both carry; scales as uint8 until the kernel has
-    written them, :func:`_finished`; W as float16 inner values with ``inner``); W and W^T share
+    written them, :func:`scales_as_e4m3`; W as float16 inner values with ``inner``); W and W^T share
     the fp32 outer scale of shape ``lead``."""
     outer = empty(lead, torch.float32, device)
     wq = wtq = None

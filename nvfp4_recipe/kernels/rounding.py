@@ -38,21 +38,23 @@ def abs_bits(x):
 
 
 @triton.jit
-def outer_scales(amax, mult, MULT: tl.constexpr, FOS: tl.constexpr = 0):
-    """Spec item 1 for fp32 ``amax`` (times ``mult`` first when MULT, item 8): (S_enc * (1/6),
-    S_dec, amax) with ``S_enc = min(2688 / amax, FLT_MAX)`` and ``S_dec = 1 / S_enc``; with 4/6
-    (FOS, ``four_over_six.fos_code``) S_enc itself and 6 * its E4M3 bound in place of 2688. S_dec
-    is divided in fp64, which rounds it correctly also where it is an fp32 subnormal (amax below
-    about 3e-35); amax 0 gives S_enc = FLT_MAX, Inf gives 0 and NaN gives NaN (non-finite S_dec)."""
-    if MULT:
-        amax = amax * mult
-    if FOS:
-        s_enc = div_rn(tl.zeros_like(amax) + 6.0 * (FOS - FOS % 4), amax)
+def outer_scales(amax, amax_scale, HAS_AMAX_SCALE: tl.constexpr,
+                 FOUR_OVER_SIX_E4M3_MAX: tl.constexpr = 0):
+    """Spec item 1 for fp32 ``amax`` (times ``amax_scale`` first when HAS_AMAX_SCALE, item 8):
+    (S_enc * (1/6), S_dec, amax) with ``S_enc = min(2688 / amax, FLT_MAX)`` and
+    ``S_dec = 1 / S_enc``; with 4/6 (FOUR_OVER_SIX_E4M3_MAX, its E4M3 bound 256 or 448; 0 without
+    4/6) S_enc itself and 6 * that bound in place of 2688. S_dec is divided in fp64, which rounds
+    it correctly also where it is an fp32 subnormal (amax below about 3e-35); amax 0 gives
+    S_enc = FLT_MAX, Inf gives 0 and NaN gives NaN (non-finite S_dec)."""
+    if HAS_AMAX_SCALE:
+        amax = amax * amax_scale
+    if FOUR_OVER_SIX_E4M3_MAX:
+        s_enc = div_rn(tl.zeros_like(amax) + 6.0 * FOUR_OVER_SIX_E4M3_MAX, amax)
     else:
         s_enc = div_rn(tl.zeros_like(amax) + 2688.0, amax)
     s_enc = tl.where(s_enc > FLT_MAX, FLT_MAX, s_enc)  # NaN passes, as torch.clamp
     s_dec = reciprocal(s_enc)
-    if FOS:
+    if FOUR_OVER_SIX_E4M3_MAX:
         return s_enc, s_dec, amax
     else:
         return s_enc * ONE_SIXTH, s_dec, amax

@@ -7,7 +7,8 @@ or as device pointers, the allocation of kernel outputs (:func:`empty`), the aut
 pruning, and :class:`Launcher`, which launches a compiled kernel with a few microseconds of host
 time, or, while torch.compile traces a ``triton_op`` (``backends/operators.py``), records the
 launch with ``wrap_triton`` so that Inductor calls the kernel itself.
-Imports nothing from the package, and changes nothing outside it at import.
+Imports nothing from the package but ``tracing`` (which Triton-free code shares), and changes
+nothing outside it at import.
 """
 
 import functools
@@ -23,6 +24,8 @@ import triton.language as tl
 from torch.library import wrap_triton
 from triton import knobs
 from triton.runtime.autotuner import Autotuner
+
+from ..tracing import tracing
 
 log = logging.getLogger(__name__)
 
@@ -137,18 +140,6 @@ def empty(shape: Tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     if len(shape) == 0:
         return torch.empty(1, dtype=dtype, device=device).view(())
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
-
-
-def tracing() -> bool:
-    """Whether torch.compile is tracing (a fake or functional tensor mode is active, as while it
-    traces a ``triton_op``'s body): a kernel launch must then be recorded, not run. Asked on every
-    launch, so two C calls and nothing else."""
-    get = torch._C._get_dispatch_mode
-    return get(_FUNCTIONAL) is not None or get(_FAKE) is not None
 
 
 def scalar(v: Union[int, torch.Tensor], device) -> Tuple[Union[int, torch.Tensor], bool]:
