@@ -30,8 +30,8 @@ from .checkpoint_names import saved_layout
 from .layer import Recording
 from .moe import NVFP4Experts, experts_modules
 
-__all__ = ["ExpertProjection", "expert_projections", "expert_groups", "high_precision_experts",
-           "record_expert_amaxes"]
+__all__ = ["ExpertProjection", "expert_projections", "served_projections", "expert_groups",
+           "high_precision_experts", "record_expert_amaxes"]
 
 # the experts layouts, Hugging Face's and torchtitan's (of NVFP4HFExperts, NVFP4GroupedExperts and
 # the modules they convert): {stacked Parameter: the projections its rows hold, in row order (their
@@ -117,6 +117,19 @@ def expert_projections(model: nn.Module) -> Dict[str, ExpertProjection]:
         for saved, default, projection in _projections(model, fqn, module, layout, strict=True):
             out[saved or default] = projection
     return out
+
+
+def served_projections(model: nn.Module, fqn: str, module: nn.Module) -> Dict[str, ExpertProjection]:
+    """served name -> :class:`ExpertProjection` of each projection of the experts module ``fqn``
+    of ``model``, NVFP4 or the high-precision module of a layout it converts (what
+    ``frozen_experts`` reads back), named as :func:`expert_projections` names them; {} for a
+    module of another layout. A module transformers saves otherwise (stacked) gets the names
+    ``{fqn}.{e}.{projection}``. Reads no weight."""
+    layout = _layout(module)
+    if layout is None:
+        return {}
+    return {saved or default: p
+            for saved, default, p in _projections(model, fqn, module, layout, strict=False)}
 
 
 def high_precision_experts(model: nn.Module) -> List[str]:

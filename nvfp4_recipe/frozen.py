@@ -9,66 +9,34 @@ gradient flows, so adapters beside the layer (PEFT's LoRA: :func:`lora_config`) 
 before it train.
 
 :func:`load_frozen` reads a checkpoint directory in either layout :func:`serving.export` writes
-(compressed-tensors ``nvfp4-pack-quantized`` or ModelOpt NVFP4, whoever produced it) into a model.
+(compressed-tensors ``nvfp4-pack-quantized`` or ModelOpt NVFP4, whoever produced it) into a model:
+its linears as NVFP4FrozenLinear, its MoE experts as the frozen experts modules of
+``frozen_experts`` (the same fprop and dgrad over the experts' token groups).
 """
 
 import functools
 import glob
 import json
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from . import reference as R
 from .backends import resolved
-from .formats import BLOCK
-from .layer import (DenseRecorder, NVFP4Module, autocast_off, backend_name, check_sizes, layer_seed,
-                    next_sr_key, out_dtype, training)
+from .checkpoint_names import saved_layout
+from .frozen_experts import load_experts
+from .frozen_weights import GEMMS, FrozenModule, check_weight, transposed, weight_operand
+from .layer import (DenseRecorder, autocast_off, backend_name, layer_seed, next_sr_key, out_dtype,
+                    training)
 from .linear import linear_fprop, linear_grads
 from .operand import NVFP4Operand
-from .quantizers import Usage
 from .recipe import NVFP4Recipe
-from .spec import Block, QuantSpec
+from .spec import Block
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4FrozenLinear", "load_frozen", "read_checkpoint", "lora_config", "GEMMS"]
-
-GEMMS = ("nvfp4", "bf16")
-# the specs of a checkpoint's weight: 1x16 scales (W^T then requantized along N, as 1d), or
-# 16x16 tile scales (W^T the exact transpose)
-_W_1D, _W_2D = QuantSpec(Block.D1), QuantSpec(Block.D2)
-
-
-def tile_scales(scale: torch.Tensor) -> Optional[torch.Tensor]:
-    """The 16x16 tile scales (N/16, K/16) of 1x16 scales (N, K/16) whose 16 rows of each tile
-    agree (a 2d-quantized weight written as 1x16), else None."""
-    n = scale.shape[0]
-    if n % BLOCK:
-        return None
-    tiles = scale.view(torch.uint8).reshape(n // BLOCK, BLOCK, -1)
-    if not torch.equal(tiles, tiles[:, :1].expand_as(tiles)):
-        return None
-    return tiles[:, 0].contiguous().view(torch.float8_e4m3fn)
-
-
-def weight_operand(qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.Tensor) -> NVFP4Operand:
-    """A checkpoint's weight as an fprop operand: 2d blocks where the 1x16 scales are tile scales
-    (then W^T is its exact transpose), else 1d; its spec ``QuantSpec(block)`` (per tensor, RN)."""
-    tiles = tile_scales(scale)
-    if tiles is None:
-        return NVFP4Operand(qdata, scale, outer_scale.reshape(()), _W_1D)
-    return NVFP4Operand(qdata, tiles, outer_scale.reshape(()), _W_2D)
-
-
-def _transposed(w: NVFP4Operand) -> NVFP4Operand:
-    """W^T (K, N), dgrad's B: the exact transpose of 2d blocks; for 1d blocks W dequantized (exact)
-    and quantized again along N (a second rounding: a 1x16-scaled W has no exact transpose)."""
-    if w.block is Block.D2:
-        return R.transpose_2d(w)
-    return R.quantize(R.dequantize(w).t(), _W_1D)
-
 
 class _FrozenLinearFn(torch.autograd.Function):
     """y (M, N) = x (M, K) @ W^T + bias for a frozen NVFP4 W: fprop, and dgrad in backward."""
@@ -90,7 +58,7 @@ class _FrozenLinearFn(torch.autograd.Function):
                 dx = (dy @ R.dequantize(w).to(dy.dtype)).to(ctx.x_dtype)
             else:
                 be = resolved(ctx.backend)
-                dx = linear_grads(be, dy, _transposed(w), None, ctx.recipe, signs,
+                dx = linear_grads(be, dy, transposed(w), None, ctx.recipe, signs,
                                   next_sr_key(*ctx.sr), ctx.x_dtype, ctx.x_dtype)[0]
         return dx, *(None,) * 11
 
@@ -106,7 +74,7 @@ def _fprop(w: NVFP4Operand, x: torch.Tensor, bias: Optional[torch.Tensor], signs
                         w=be.prepare(w))[0]
 
 
-class NVFP4FrozenLinear(NVFP4Module):
+class NVFP4FrozenLinear(FrozenModule):
     """A frozen linear layer holding only its NVFP4 weight: ``y = x @ W^T + bias``.
 
     Shapes as nn.Linear: (..., in_features) -> (..., out_features). Buffers: ``qdata`` uint8
@@ -133,16 +101,16 @@ class NVFP4FrozenLinear(NVFP4Module):
         TypeError: ``qdata`` not uint8 or ``scale`` not float8_e4m3fn.
     """
 
-    RECORDED = Usage(dgrad=True, wgrad=False)  # its GEMMs, which capture records: fprop and dgrad
-
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, recipe: Optional[NVFP4Recipe] = None,
                  dtype: torch.dtype = torch.bfloat16, gemm: str = "nvfp4", layer_seed: int = 0):
         super().__init__()
-        _check_weight(qdata, scale, gemm)
+        if qdata.dim() != 2:
+            raise ValueError(f"NVFP4FrozenLinear takes codes (out, in / 2), got {tuple(qdata.shape)}")
+        check_weight("NVFP4FrozenLinear", qdata, scale, gemm)
         if recipe is not None:
             self.check_recipe(recipe)
-        w = weight_operand(qdata, scale, outer_scale.float())
+        w = weight_operand(qdata, scale, outer_scale.float().reshape(()))
         self.out_features, self.in_features = qdata.shape[0], 2 * qdata.shape[1]
         self.dtype, self.gemm, self.spec = dtype, gemm, w.spec
         self.register_buffer("qdata", w.qdata)
@@ -151,23 +119,8 @@ class NVFP4FrozenLinear(NVFP4Module):
         self.register_buffer("bias", bias)
         self._init_nvfp4(recipe, layer_seed, qdata.device)
 
-    def check_recipe(self, recipe: NVFP4Recipe) -> None:
-        """A frozen base has no high-precision weight: the overrides that need one are refused."""
-        if recipe.forward_override or recipe.backward_override:
-            raise ValueError("NVFP4FrozenLinear keeps no high-precision weight, so it takes no "
-                             "forward_override or backward_override; gemm='bf16' multiplies by the "
-                             "dequantized weight instead")
-
-    def _apply(self, fn, recurse=True):
-        # Module.to(dtype) casts every floating-point buffer: the E4M3 block scales and the fp32
-        # outer scale would lose their values. They move with the module, in their own dtypes.
-        before = {name: getattr(self, name) for name in ("qdata", "scale", "outer_scale")}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = getattr(self, name)
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        return self
+    def frozen_buffers(self) -> Tuple[str, ...]:
+        return ("qdata", "scale", "outer_scale")
 
     @property
     def block(self) -> Block:
@@ -221,20 +174,6 @@ class NVFP4FrozenLinear(NVFP4Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.block.value} scales, gemm={self.gemm}, "
                 f"{self.recipe_repr()}")
-
-
-def _check_weight(qdata: torch.Tensor, scale: torch.Tensor, gemm: str) -> None:
-    if gemm not in GEMMS:
-        raise ValueError(f"NVFP4FrozenLinear: gemm must be one of {GEMMS}, got {gemm!r}")
-    if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"NVFP4FrozenLinear takes uint8 codes and float8_e4m3fn scales, got "
-                        f"{qdata.dtype} and {scale.dtype}")
-    n, half_k = qdata.shape
-    check_sizes("NVFP4FrozenLinear", {"out_features": n, "in_features": 2 * half_k})
-    if tuple(scale.shape) != (n, 2 * half_k // BLOCK):
-        raise ValueError(f"NVFP4FrozenLinear: 1x16 scales {tuple(scale.shape)} do not go with "
-                         f"codes {tuple(qdata.shape)}: an ({n}, {2 * half_k}) weight has "
-                         f"({n}, {2 * half_k // BLOCK}) scales")
 
 
 # checkpoint layout -> (codes, block scales, global scale) tensor names, and whether the global
@@ -301,15 +240,20 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
     """Load the NVFP4 checkpoint directory ``path`` into ``model`` as a frozen NVFP4 base.
 
     Each linear the checkpoint holds in NVFP4 is replaced by an :class:`NVFP4FrozenLinear` (its
-    codes, scales and global scale; no high-precision weight); every other tensor of the
-    checkpoint is loaded into the model as it is (``load_state_dict(assign=True)``, so a model
-    built on the meta device is materialized by the load; its buffers the checkpoint does not hold,
-    such as Hugging Face's rotary ``inv_freq``, are set by the model's initialization,
-    :func:`_materialize_buffers`). The frozen layers take the dtype of the layer they replace,
-    ``recipe`` (default ``NVFP4Recipe()``) for their activation and gradient quantization, and
-    each its own SR stream from its name (``layer.layer_seed``, as ``quantize_`` gives the trained
-    layer); ``gemm`` as in :class:`NVFP4FrozenLinear`. Parameters are not frozen
-    here: PEFT freezes the base model, or call ``requires_grad_(False)``.
+    codes, scales and global scale; no high-precision weight), and each experts module
+    ``quantize_`` knows whose per-expert linears it holds in NVFP4 (an export's MoE layers) by a
+    frozen experts module (``frozen_experts.load_experts``: Hugging Face's batched experts and
+    torchtitan's ``GroupedExperts``); every other tensor of the checkpoint is loaded into the
+    model as it is (``load_state_dict(assign=True)``, so a model built on the meta device is
+    materialized by the load; its buffers the checkpoint does not hold, such as Hugging Face's
+    rotary ``inv_freq``, are set by the model's initialization, :func:`_materialize_buffers`).
+    The checkpoint's names are read as ``save_pretrained`` writes the model's
+    (:func:`_model_names`: Mixtral's ``block_sparse_moe`` is the model's ``mlp``). The frozen
+    modules take the dtype of the module they replace, ``recipe`` (default ``NVFP4Recipe()``) for
+    their activation and gradient quantization, and each its own SR streams from its name
+    (``layer.layer_seed``, as ``quantize_`` gives the trained module); ``gemm`` as in
+    :class:`NVFP4FrozenLinear`. Parameters are not frozen here: PEFT freezes the base model, or
+    call ``requires_grad_(False)``.
 
     Args:
         model: the architecture of the checkpoint in high precision (a Hugging Face model from its
@@ -318,12 +262,18 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
     Returns:
         ``model``.
     Raises:
-        ValueError: see :func:`read_checkpoint`; a checkpoint layer missing from the model or
-            not an nn.Linear of its shape; checkpoint tensors the model lacks or model tensors the
-            checkpoint lacks (named); buffers of a meta-built model nothing sets (named).
+        ValueError: see :func:`read_checkpoint` and ``frozen_experts.load_experts``; a checkpoint
+            layer missing from the model or not an nn.Linear of its shape; checkpoint tensors the
+            model lacks or model tensors the checkpoint lacks (named); buffers of a meta-built
+            model nothing sets (named).
     """
     _, layers, rest = read_checkpoint(path)
     recipe = NVFP4Recipe() if recipe is None else recipe
+    experts = load_experts(model, layers, rest, recipe, gemm)
+    names = _model_names(model, experts)
+    layers = {names.get(f"{fqn}.weight", f"{fqn}.weight").removesuffix(".weight"): t
+              for fqn, t in layers.items()}
+    rest = {names.get(k, k): t for k, t in rest.items()}
     modules = dict(model.named_modules())
     for fqn, (qdata, scale, outer) in layers.items():
         old = modules.get(fqn)
@@ -338,13 +288,26 @@ def load_frozen(model: nn.Module, path: str, recipe: Optional[NVFP4Recipe] = Non
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent), name, new)
     result = model.load_state_dict(rest, strict=False, assign=True)
-    frozen = {f"{fqn}.{k}" for fqn in layers for k in model.get_submodule(fqn).state_dict()}
+    frozen = {f"{fqn}.{k}" for fqn in [*layers, *experts] for k in model.get_submodule(fqn).state_dict()}
     missing = [k for k in result.missing_keys if k not in frozen]
     if missing or result.unexpected_keys:
         raise ValueError(f"load_frozen: the checkpoint does not match the model: missing "
                          f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
     _materialize_buffers(model)
     return model
+
+
+def _model_names(model: nn.Module, skip: Set[str]) -> Dict[str, str]:
+    """{the name ``save_pretrained`` gives a tensor of ``model.state_dict()``: its name in the
+    model} for the tensors outside the modules ``skip`` (the experts read already), found by
+    reverting transformers' weight conversion (``checkpoint_names.saved_layout``) on one-element
+    markers: a tensor the model holds under another name than its checkpoint (Mixtral's router,
+    ``mlp.gate`` in the model and ``block_sparse_moe.gate`` in the checkpoint) is read into it.
+    The names a model that transformers does not convert saves are its own."""
+    prefixes = tuple(f"{fqn}." for fqn in skip)
+    keys = [k for k in model.state_dict() if not k.startswith(prefixes)]
+    saved = saved_layout(model, {k: torch.tensor([float(i)]) for i, k in enumerate(keys)})
+    return {name: keys[int(t.item())] for name, t in saved.items() if t.numel() == 1}
 
 
 def _materialize_buffers(model: nn.Module) -> None:

@@ -41,7 +41,7 @@ from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
            "grouped_grads", "pad_groups", "register_experts", "experts_modules", "experts_problem",
-           "router_ids", "GroupedRecorder"]
+           "router_ids", "GroupedRecorder", "swiglu_experts", "routed_experts"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,8 +190,10 @@ class NVFP4Experts(NVFP4Module):
 
     STREAMS: Tuple[str, ...] = ()
 
-    def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Projection ``p`` (its SR stream) of the padded tokens x by the experts' weights w."""
+    def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Projection ``p`` (its SR stream, and the stacked Parameter of that name) of the padded
+        token groups x, ends ``offs``."""
+        w = getattr(self, self.STREAMS[p])
         backend = backend_name(self.recipe.backend.value, w.device)
         y = forward_gemms(gemms.Grouped(offs), x, w, None, self.recipe, self.rht_signs,
                           self.sr_state(p), backend, out_dtype(x),
@@ -226,6 +228,38 @@ def _padded(x: torch.Tensor, counts: torch.Tensor):
     """(x with each group padded to a multiple of 16 zero rows, offs, dest) (:func:`pad_groups`)."""
     offs, dest, rows = pad_groups(counts, x.shape[0])
     return x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x), offs, dest
+
+
+# projection p of padded token groups x (T, K) with int32 (G,) ends offs -> (T, N)
+Project = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def swiglu_experts(project: Project, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """torchtitan ``GroupedExperts``' forward through ``project`` (p: 0 w1, 1 w3, 2 w2):
+    ``w2(silu(w1 x) * w3 x)`` per expert for x (T, dim) sorted by expert, ``num_tokens_per_expert``
+    (G,) summing to T; each expert's tokens padded to a multiple of 16 with zero rows inside."""
+    xp, offs, dest = _padded(x, num_tokens_per_expert)
+    h = F.silu(project(0, xp, offs)) * project(1, xp, offs)
+    return project(2, h, offs).index_select(0, dest)
+
+
+def routed_experts(project: Project, num_experts: int, act_fn: Callable, hidden_states: torch.Tensor,
+                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Hugging Face batched experts' forward through ``project`` (p: 0 gate_up_proj, 1
+    down_proj): hidden_states (T, H), top_k_index (T, k) expert ids, top_k_weights (T, k) ->
+    sum_j weight_j * expert_j(x) (T, H) in hidden_states' dtype (the autocast dtype under
+    autocast); tokens sorted by expert, each expert's padded to a multiple of 16 inside."""
+    tokens, k = top_k_index.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+    counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # no host sync (bincount)
+    xp, offs, dest = _padded(hidden_states[perm // k], counts)
+    gate, up = project(0, xp, offs).chunk(2, dim=-1)
+    h = project(1, act_fn(gate) * up, offs).index_select(0, dest)
+    weighted = h * top_k_weights.reshape(-1)[perm, None].to(h.dtype)
+    out = torch.zeros(tokens * k, h.shape[1], dtype=h.dtype, device=h.device)
+    out = out.index_copy(0, perm, weighted)
+    return out.view(tokens, k, -1).sum(dim=1).to(out_dtype(hidden_states))
 
 
 class NVFP4GroupedExperts(NVFP4Experts):
@@ -264,9 +298,7 @@ class NVFP4GroupedExperts(NVFP4Experts):
         if x.dim() != 2 or x.shape[1] != self.w1.shape[2]:
             raise ValueError(f"NVFP4GroupedExperts expects x (tokens, {self.w1.shape[2]}), got "
                              f"{tuple(x.shape)}")
-        xp, offs, dest = _padded(x, num_tokens_per_expert)
-        h = F.silu(self._project(0, xp, offs, self.w1)) * self._project(1, xp, offs, self.w3)
-        return self._project(2, h, offs, self.w2).index_select(0, dest)
+        return swiglu_experts(self._project, x, num_tokens_per_expert)
 
 
 class NVFP4HFExperts(NVFP4Experts):
@@ -296,17 +328,8 @@ class NVFP4HFExperts(NVFP4Experts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, k = top_k_index.shape
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device)
-        counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # no host sync (bincount)
-        xp, offs, dest = _padded(hidden_states[perm // k], counts)
-        gate, up = self._project(0, xp, offs, self.gate_up_proj).chunk(2, dim=-1)
-        h = self._project(1, self.act_fn(gate) * up, offs, self.down_proj).index_select(0, dest)
-        weighted = h * top_k_weights.reshape(-1)[perm, None].to(h.dtype)
-        out = torch.zeros(tokens * k, h.shape[1], dtype=h.dtype, device=h.device)
-        out = out.index_copy(0, perm, weighted)
-        return out.view(tokens, k, -1).sum(dim=1).to(out_dtype(hidden_states))
+        return routed_experts(self._project, self.num_experts, self.act_fn, hidden_states,
+                              top_k_index, top_k_weights)
 
 
 # ----------------------------------------------------------------------------------------------

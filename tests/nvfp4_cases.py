@@ -64,6 +64,24 @@ def assert_fp32_products(got, pairs):
     assert worst <= 1.0, f"error exceeds the fp32 accumulation bound by a factor {worst:.3g}"
 
 
+def tiny_hf_moe(arch: str, seed=None, meta: bool = False):
+    """A one-layer Hugging Face Qwen3-MoE (``arch="qwen3_moe"``) or Mixtral of 4 experts
+    (intermediate size 32), bfloat16; initialized after ``torch.manual_seed(seed)`` when a seed is
+    given, built on the meta device with ``meta``."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    if seed is not None:
+        torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+    with torch.device("meta" if meta else "cpu"):
+        if arch == "qwen3_moe":
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                       head_dim=16, num_experts=4, **common))
+        else:
+            model = MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, **common))
+    return model.to(torch.bfloat16)
+
+
 def random_signs(generator=None) -> torch.Tensor:
     """A random +-1 float32 vector of 16 RHT signs (CPU)."""
     bits = torch.randint(0, 2, (16,), generator=generator, device="cpu")

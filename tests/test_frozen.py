@@ -8,10 +8,11 @@ from torch import nn
 import nvfp4_recipe as N
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.frozen import NVFP4FrozenLinear, load_frozen, lora_config
+from nvfp4_recipe.frozen_experts import NVFP4FrozenGroupedExperts, NVFP4FrozenHFExperts
 from nvfp4_recipe.layer import layer_seed
 from nvfp4_recipe.serving import export, record_amaxes
 
-from nvfp4_cases import backend_device
+from nvfp4_cases import backend_device, tiny_hf_moe
 
 pytest.importorskip("safetensors")
 FORMATS = ("compressed-tensors", "modelopt")
@@ -244,3 +245,227 @@ def test_merging_lora_into_the_frozen_base_says_it_is_not_supported(tmp_path):
     model = peft.get_peft_model(load_frozen(make(), path), lora_config(r=4, target_modules=["1", "3"]))
     with pytest.raises(NotImplementedError, match="merging LoRA adapters into an NVFP4 frozen base"):
         model.merge_and_unload()
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE experts: an export's per-expert linears read back as frozen experts modules
+# ---------------------------------------------------------------------------------------------
+def sgd_step(model, loss):
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad / p.grad.abs().max()
+                p.grad = None
+
+
+def exported_moe(tmp_path, arch, recipe, fmt="compressed-tensors", seed=0):
+    """A tiny Hugging Face MoE quantized under ``recipe`` after one SGD step, and its export."""
+    torch.manual_seed(seed)
+    model = N.quantize_(tiny_hf_moe(arch), recipe)
+    sgd_step(model, model(torch.randint(0, 128, (2, 32))).logits.float().square().mean())
+    with record_amaxes(model) as amaxes, torch.no_grad():
+        model(torch.randint(0, 128, (2, 32)))
+    return model, export(model, str(tmp_path / fmt), fmt, input_amax=amaxes)
+
+
+def routing(tokens, seed):
+    """Random inputs of Hugging Face experts of 4: hidden states (tokens, 64) bf16, each token's 2
+    distinct experts and their weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g).bfloat16()
+    top_k = torch.rand(tokens, 4, generator=g).topk(2).indices
+    return x, top_k, torch.rand(tokens, 2, generator=g).bfloat16()
+
+
+EXPERTS = "model.layers.0.mlp.experts"
+MOE_RECIPE = N.NVFP4Recipe(keep_bf16=("lm_head",))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("arch,weight_2d", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+def test_a_frozen_moe_computes_the_trained_logits_bit_for_bit(tmp_path, fmt, arch, weight_2d):
+    """Each experts module of a meta-built model becomes an NVFP4FrozenHFExperts holding, per
+    Parameter, the export's per-expert linears stacked back (an expert's gate and up rows, one
+    decode scale per expert; Mixtral's block_sparse_moe names read into its mlp): the weights the
+    trained grouped fprop used, so the loaded model's logits are the trained model's bit for bit,
+    in evaluation and with autograd."""
+    recipe = N.NVFP4Recipe(weight_2d=weight_2d, keep_bf16=("lm_head",))
+    model, path = exported_moe(tmp_path, arch, recipe, fmt, seed=len(fmt) + weight_2d)
+    loaded = load_frozen(tiny_hf_moe(arch, meta=True), path, recipe)
+    frozen, trained = loaded.get_submodule(EXPERTS), model.get_submodule(EXPERTS)
+    assert isinstance(frozen, NVFP4FrozenHFExperts) and list(frozen.parameters()) == []
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
+    spec = recipe.spec(N.GemmRole.W_FPROP)
+    for p in ("gate_up_proj", "down_proj"):
+        assert frozen.specs[p].block is spec.block
+        for e in range(4):
+            used = R.quantize(getattr(trained, p)[e].detach(), spec)  # each W_e alone, as fprop
+            assert torch.equal(frozen.dequantized(p)[e], R.dequantize(used))
+    tokens = torch.randint(0, 128, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    assert torch.equal(loaded(tokens).logits, model(tokens).logits)  # the autograd path too
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_frozen_experts_are_the_trained_experts_given_their_codes(backend):
+    """Built from the codes NVFP4GroupedExperts' fprop uses (each W_e quantized alone, 2d blocks,
+    written as an export writes them: 1x16): Y and dX are the trained module's bit for bit under
+    the same SR streams, nothing weight-sized in floating point is kept, and Module.to(dtype)
+    leaves the codes and scales as they are."""
+    from nvfp4_recipe.train.model import GroupedExperts
+    dev = backend_device(backend)
+    torch.manual_seed(9)
+    hp = GroupedExperts(32, 48, 4)
+    for w in hp.parameters():
+        nn.init.normal_(w, std=0.1)
+    recipe = N.NVFP4Recipe(backend=backend)
+    trained = N.NVFP4GroupedExperts.from_module(hp, recipe, layer_seed=7).to(dev)
+    spec = recipe.spec(N.GemmRole.W_FPROP)
+    weights = {}
+    for p in ("w1", "w3", "w2"):
+        ops = [R.quantize(w.detach(), spec) for w in getattr(hp, p)]
+        rows = [op.scale.view(torch.uint8).repeat_interleave(16, 0).view(torch.float8_e4m3fn) for op in ops]
+        weights[p] = (torch.stack([op.qdata for op in ops]), torch.stack(rows),
+                      torch.stack([op.outer_scale for op in ops]))
+    frozen = NVFP4FrozenGroupedExperts(weights, recipe, torch.float32, layer_seed=7).to(dev)
+    assert [frozen.specs[p].block.value for p in frozen.STREAMS] == ["2d"] * 3
+    x, counts = torch.randn(64, 32).to(dev), torch.tensor([16, 0, 40, 8]).to(dev)
+    dy = torch.randn(64, 32).to(dev)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = trained(xa, counts), frozen(xb, counts)
+    assert torch.equal(yb, ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert xb.grad.abs().sum() > 0 and torch.equal(xb.grad, xa.grad)
+    assert frozen.sr_step.tolist() == [1, 1, 1]  # each projection's stream advanced once
+    assert max(t.numel() for t in frozen.buffers() if t.is_floating_point()) < 4 * 48 * 32 // 16
+    with torch.no_grad():
+        before = frozen(x, counts)
+        frozen.to(torch.bfloat16)
+        assert (frozen.w1_qdata.dtype, frozen.w1_scale.dtype, frozen.w1_outer_scale.dtype) == (
+            torch.uint8, torch.float8_e4m3fn, torch.float32)
+        assert torch.equal(frozen(x, counts), before)
+    with pytest.raises(ValueError, match=r"NVFP4FrozenGroupedExperts: weights .* are not"):
+        NVFP4FrozenGroupedExperts({**weights, "w2": weights["w1"]})
+
+
+def tiny_lm_moe(seed=0, device="cpu"):
+    from nvfp4_recipe.train.model import ModelConfig, TinyLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return TinyLM(ModelConfig(d_model=64, n_layers=1, n_heads=4, d_ff=64, seq_len=32, n_experts=4, top_k=2))
+
+
+def test_frozen_torchtitan_experts_hold_the_exported_weights(tmp_path):
+    """The main job's --moe TinyLM (torchtitan's w1 / w3 / w2): each expert's w1 and w3, quantized
+    apart in training, are exported with one global scale (the larger amax's), and the frozen
+    experts hold the export's weights. Where training's w1 and w3 amaxes agree (made so here for
+    every expert) the export is exact and the loaded model's logits are the trained model's bit
+    for bit."""
+    model = N.quantize_(tiny_lm_moe(5), MOE_RECIPE)
+    tokens = torch.randint(0, 256, (2, 32))
+    sgd_step(model, model(tokens).float().square().mean())
+    experts = model.blocks[0].mlp.experts
+    spec = MOE_RECIPE.spec(N.GemmRole.W_FPROP)
+    with record_amaxes(model) as amaxes, torch.no_grad():
+        model(tokens)
+    frozen = load_frozen(tiny_lm_moe(device="meta"), export(model, str(tmp_path / "a"), input_amax=amaxes),
+                         MOE_RECIPE).blocks[0].mlp.experts
+    assert isinstance(frozen, NVFP4FrozenGroupedExperts) and frozen.num_experts == 4
+    differ = 0
+    for g in range(4):
+        w1, w3, w2 = experts.w1[g].detach(), experts.w3[g].detach(), experts.w2[g].detach()
+        shared = torch.maximum(w1.abs().amax(), w3.abs().amax())
+        differ += not torch.equal(w1.abs().amax(), w3.abs().amax())
+        for p, w, amax in (("w1", w1, shared), ("w3", w3, shared), ("w2", w2, w2.abs().amax())):
+            assert torch.equal(frozen.dequantized(p)[g], R.dequantize(R.quantize(w, spec, amax_=amax)))
+    assert differ  # random weights: the requantized case was read
+    with torch.no_grad():  # one amax for each expert's w1 and w3: the export is exact
+        for g in range(4):
+            amax = torch.maximum(experts.w1[g].abs().max(), experts.w3[g].abs().max())
+            experts.w1[g, 0, 0], experts.w3[g, 0, 0] = amax, amax
+    loaded = load_frozen(tiny_lm_moe(device="meta"), export(model, str(tmp_path / "b"), input_amax=amaxes),
+                         MOE_RECIPE)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+    assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_frozen_experts_dgrad_is_the_trained_experts_dgrad(tmp_path):
+    """Same recipe, same SR streams (the experts module's name, one per projection): a frozen
+    Qwen3-MoE experts module's output and input gradient are the trained NVFP4HFExperts'."""
+    model, path = exported_moe(tmp_path, "qwen3_moe", MOE_RECIPE, seed=3)
+    loaded = load_frozen(tiny_hf_moe("qwen3_moe", meta=True), path, MOE_RECIPE)
+    frozen, trained = loaded.get_submodule(EXPERTS), model.get_submodule(EXPERTS)
+    assert int(frozen.sr_seed[0]) == int(trained.sr_seed[0])
+    trained.reset_recipe_buffers()  # its training step advanced its SR streams
+    x, top_k, weights = routing(40, 4)
+    dy = torch.randn(40, 64).bfloat16()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = trained(xa, top_k, weights), frozen(xb, top_k, weights)
+    assert torch.equal(yb, ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert xb.grad.abs().sum() > 0 and torch.equal(xb.grad, xa.grad)
+    assert frozen.sr_step.tolist() == [1, 1]
+
+
+def test_dequantize_gives_the_replaced_experts_module_holding_the_dequantized_weights(tmp_path):
+    """``dequantize_`` of a frozen MoE swaps each frozen experts module for the experts module it
+    replaced (transformers' Qwen3MoeExperts), its Parameters the frozen weights dequantized in
+    the module's dtype, not requiring grad, off the meta device; its forward is the frozen
+    module's gemm="bf16" one up to rounding."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    _, path = exported_moe(tmp_path, "qwen3_moe", MOE_RECIPE, seed=6)
+    loaded = load_frozen(tiny_hf_moe("qwen3_moe", meta=True), path, MOE_RECIPE, gemm="bf16").eval()
+    frozen = loaded.get_submodule(EXPERTS)
+    x, top_k, weights = routing(48, 7)
+    with torch.no_grad():
+        want = frozen(x, top_k, weights)
+    N.dequantize_(loaded)
+    back = loaded.get_submodule(EXPERTS)
+    assert type(back) is Qwen3MoeExperts and not back.training
+    for p in ("gate_up_proj", "down_proj"):
+        w = getattr(back, p)
+        assert w.dtype == torch.bfloat16 and not w.requires_grad and not w.is_meta
+        assert torch.equal(w, frozen.dequantized(p).bfloat16())
+    with torch.no_grad():
+        got = back(x, top_k, weights)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_lora_adapters_train_beside_frozen_experts(tmp_path):
+    """PEFT's LoRA on the attention of a frozen MoE: the adapters train, the gradient passing
+    back through the frozen experts (their dgrad ran: each stream advanced). The frozen experts
+    have no Parameters, so LoRA does not target them."""
+    peft = pytest.importorskip("peft")
+    _, path = exported_moe(tmp_path, "qwen3_moe", MOE_RECIPE, seed=8)
+    loaded = load_frozen(tiny_hf_moe("qwen3_moe", meta=True), path, MOE_RECIPE)
+    model = peft.get_peft_model(loaded, lora_config(r=4, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False))
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    model(torch.randint(0, 128, (2, 32))).logits.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    assert loaded.get_submodule(EXPERTS).sr_step.tolist() == [1, 1]
+
+
+def test_expert_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
+    """An expert's gate and up with different global scales (the grouped GEMM takes one per
+    expert), or an experts module with a projection missing, is refused naming the linears."""
+    from safetensors.torch import load_file, save_file
+    _, path = exported_moe(tmp_path, "qwen3_moe", MOE_RECIPE, seed=10)
+    file = str(tmp_path / "compressed-tensors" / "model.safetensors")
+    tensors = load_file(file)
+    tensors[f"{EXPERTS}.1.up_proj.weight_global_scale"] *= 2
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.1\.gate_proj, .*experts\.1\.up_proj have different global scales"):
+        load_frozen(tiny_hf_moe("qwen3_moe", meta=True), path)
+    tensors[f"{EXPERTS}.1.up_proj.weight_global_scale"] /= 2
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{EXPERTS}.3.down_proj.")}
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"holds 11 of the 12 NVFP4 projections of the experts of "
+                                         r"model\.layers\.0\.mlp\.experts \(missing \['model\.layers\.0\.mlp\.experts\.3\.down_proj'\]\)"):
+        load_frozen(tiny_hf_moe("qwen3_moe", meta=True), path)
