@@ -32,6 +32,7 @@ from .fused import attach_groups
 from .layer import NVFP4Module, layer_seed, size_problem
 from .linear import NVFP4Linear
 from .recipe import NVFP4Recipe
+from .spec import GemmRole
 
 log = logging.getLogger("nvfp4_recipe")
 
@@ -64,10 +65,14 @@ def check_module(caller: str, model: object) -> None:
 
 
 def _check_backend(recipe: NVFP4Recipe, device: torch.device) -> None:
-    """Raises ValueError when ``recipe.backend`` cannot run on ``device`` (a meta device is only
-    checked at the first forward, once the model is materialized)."""
+    """Raises ValueError when ``recipe.backend`` cannot run on ``device`` or cannot run one of the
+    recipe's specs (``Backend.check_spec``: MS-EDEN off the reference backend). A meta device is
+    only checked at the first forward (the specs at the first backward), once the model is
+    materialized."""
     if device.type != "meta":
-        get_backend(recipe.backend.value, device)
+        backend = get_backend(recipe.backend.value, device)
+        for role in GemmRole:
+            backend.check_spec(recipe.spec(role))
 
 
 def _check_same_recipe(fqn: str, layer: nn.Module, recipe: NVFP4Recipe) -> None:
@@ -87,6 +92,7 @@ _NEEDS_NAMES = {
     "keep_first_blocks": "it needs the model's blocks",
     "keep_last_blocks": "it needs the model's blocks",
     "stochastic_rounding": "each layer's SR stream is derived from the layer's name",
+    "backward_estimator": "each layer's MS-EDEN stream is derived from the layer's name",
 }
 
 

@@ -45,7 +45,7 @@ def forward_gemms(layout, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     Returns:
         Y of ``y_dtype``, (M, N) or (T, N) with zeros past the last group.
     """
-    amax = weight_amax or (lambda: None)
+    amax = (lambda: None) if weight_amax is None else weight_amax
     with autocast_off(x.device.type):
         if training(x, w, bias):
             if weight_amax is not None:

@@ -18,6 +18,10 @@ How each operand is quantized (spec, RHT signs, SR stream and counters, the amax
 tensor-parallel shard, rowwise / columnwise usage) comes in the pass's quantizers
 (``quantizers.build``, once per forward and once per backward); a layout turns a pair of them into
 the primitive's arguments (:func:`_pair_arguments`).
+
+Under ``backward_estimator="ms_eden"`` (Quartet II, arXiv 2601.22813) the backward is
+:func:`ms_eden_grads`: W^T and X^T are quantized again, with MS-EDEN, from the forward's NVFP4 W and
+X (dequantized), as ``backward_override="dequantized"`` keeps them.
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -28,6 +32,7 @@ from . import high_precision, quantizers
 from . import reference as R
 from .backends import Backend, resolved
 from .backends.grouped import expert_rows
+from .formats import BLOCK
 from .layer import autocast_off, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
 from .quantizers import Quantizers, TensorQuantizer, Usage
@@ -36,7 +41,7 @@ from .spec import Override
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard
 
-__all__ = ["Dense", "Grouped", "GemmsFn", "fprop", "grads", "weight_operands"]
+__all__ = ["Dense", "Grouped", "GemmsFn", "fprop", "grads", "ms_eden_grads", "weight_operands"]
 
 
 def weight_operands(be: Backend, weight: torch.Tensor, q: TensorQuantizer,
@@ -108,6 +113,11 @@ class Dense(NamedTuple):
         as B) ready in the same pass."""
         return be.quantize_pair(x, **_pair_arguments(q, next_b))
 
+    def weight_columns(self, be: Backend, w: torch.Tensor, q: TensorQuantizer) -> NVFP4Operand:
+        """W^T (K, N) quantized from a high-precision w (N, K) by ``q.columnwise`` (an MS-EDEN
+        backward's dgrad B): the columnwise copy of :meth:`tokens`."""
+        return self.tokens(be, w, q)[1]
+
     def grad_copies(self, be: Backend, dy: torch.Tensor, q: TensorQuantizer, wt, xt):
         """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (M, N) by ``q`` (SR counters as
         :func:`quantizers.build` set them, shifted per tensor-parallel shard), W^T made ready for
@@ -173,6 +183,21 @@ class Grouped(NamedTuple):
         ``be.quantize_groups``, which may make ``next_b`` (a stacked expert operand a later
         :meth:`mm` takes as B) ready in the same pass."""
         return be.quantize_groups(x, self.offs, **_pair_arguments(q, next_b))
+
+    @staticmethod
+    def weight_columns(be: Backend, w: torch.Tensor, q: TensorQuantizer) -> NVFP4Operand:
+        """Stacked W^T (G, K, N), outer scales (G,), quantized from high-precision expert weights
+        w (G, N, K) by ``q.columnwise`` (an MS-EDEN backward's dgrad B), each W_g^T alone: the
+        columnwise copies of W's rows grouped by expert (:meth:`tokens` with groups of N rows),
+        their codes and block scales moved into the stacked layout (``q.columnwise`` must ask
+        for codes: not ``gemm_only``)."""
+        g, n, k = w.shape
+        offs = torch.arange(1, g + 1, dtype=torch.int32, device=w.device) * n
+        cols = Grouped(offs).tokens(be, w.reshape(g * n, k), q)[1].data  # (K, G N)
+
+        def stacked(t: torch.Tensor, per: int) -> torch.Tensor:
+            return t.reshape(k, g, n // per).transpose(0, 1).contiguous()
+        return cols._replace(qdata=stacked(cols.qdata, 2), scale=stacked(cols.scale, BLOCK))
 
     def grad_copies(self, be: Backend, dy: torch.Tensor, q: TensorQuantizer, wt, xt):
         """(dY, dY^T, W^T, X^T): :meth:`tokens` of dY (T, N) by ``q`` (SR counters from
@@ -277,20 +302,64 @@ def grads(layout, be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand], xt,
     return dx, dw
 
 
+def ms_eden_grads(layout, be: Backend, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                  q: Quantizers, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
+                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dgrad and wgrad of an MS-EDEN backward (Quartet II, arXiv 2601.22813) on backend ``be``,
+    with its quantizers ``q`` (``quantizers.build_ms_eden``): ``dX = Q(dY) @ Q(W^T)^T`` and
+    ``dW = Q(dY^T) @ Q(X^T)^T``, W^T and X^T quantized again from the high-precision ``w`` and
+    ``x`` (the forward's NVFP4 W and X dequantized, or the unquantized ones under
+    ``forward_override``; shaped as :func:`fprop`'s), each GEMM's two operands rotated alike along
+    its inner dimension (N for dgrad, the tokens of each group for wgrad), so the rotations
+    cancel in the product.
+
+    Returns:
+        (dX of ``dx_dtype`` or None, dW of ``dw_dtype`` or None), as :func:`grads`.
+    Raises:
+        ValueError: ``be`` does not run MS-EDEN (``Backend.check_spec``).
+    """
+    for c in (*q.dy, q.w.columnwise, q.x.columnwise):
+        if c is not None:
+            be.check_spec(c.spec)
+    dyq, dytq, _ = layout.tokens(be, dy, q.dy)
+    dx = None if dyq is None else layout.mm(be, dyq, layout.weight_columns(be, w, q.w), dx_dtype)
+    del dyq  # frees dY's copy before the wgrad GEMM
+    dw = None if dytq is None else layout.mm(be, dytq, layout.tokens(be, x, q.x)[1], dw_dtype)
+    return dx, dw
+
+
+def _backward_source(recipe: NVFP4Recipe) -> Optional[Override]:
+    """Where backward takes X and W from, None for the saved W^T and X^T of an NVFP4 backward: an
+    overridden backward's (``backward_override``), or an MS-EDEN backward's
+    (``backward_estimator``): the forward's NVFP4 X and W (DEQUANTIZED), or the unquantized
+    ones (HIGH_PRECISION) where ``forward_override`` runs fprop without NVFP4 operands."""
+    if recipe.backward_estimator is None:
+        return recipe.backward_override
+    return Override.HIGH_PRECISION if recipe.forward_override else Override.DEQUANTIZED
+
+
 class GemmsFn(torch.autograd.Function):
     """y = x @ W^T + bias under ``layout`` (:class:`Dense` or :class:`Grouped`) with NVFP4 fprop,
     dgrad and wgrad (:func:`fprop`, :func:`grads`), or the GEMMs the recipe's overrides take out
-    of NVFP4 (``high_precision``). Returns a fresh tensor, never a view, so that in-place ops on
-    it work. Backward keeps W^T and X^T as codes with their specs (rebuilt as the operands
-    forward made), not the high-precision X."""
+    of NVFP4 (``high_precision``), or an MS-EDEN backward (:func:`ms_eden_grads`). Returns a fresh
+    tensor, never a view, so that in-place ops on it work. Backward keeps W^T and X^T as codes
+    with their specs (rebuilt as the operands forward made), not the high-precision X; an
+    overridden or MS-EDEN backward keeps what ``high_precision.saved`` says.
+
+    Raises:
+        ValueError: an MS-EDEN recipe on a tensor-parallel layer (not run there yet).
+    """
 
     @staticmethod
     def forward(ctx, x, w, bias, signs, sr, recipe: NVFP4Recipe, backend: str,
                 out_dtype: torch.dtype, layout):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override = recipe.backward_override
-        q = quantizers.build(recipe, signs, Usage(need_dx and not override, need_dw and not override,
-                                                  keep=override is Override.DEQUANTIZED),
+        source = _backward_source(recipe)
+        if recipe.backward_estimator is not None and layout.shard is not None:
+            raise ValueError(f"NVFP4Recipe.backward_estimator={recipe.backward_estimator.value!r} "
+                             f"does not run on tensor-parallel layers yet")
+        q = quantizers.build(recipe, signs, Usage(need_dx and not source, need_dw and not source,
+                                                  keep=source is Override.DEQUANTIZED),
                              layout.shard, weight_amax=layout.weight_amax)
         y, wt, xt, kept = fprop(layout, resolved(backend), x, w, bias, q, out_dtype)
         # sr = (sr_seed, sr_step, sr_rank) is read in backward as it is then, not saved: every
@@ -302,9 +371,9 @@ class GemmsFn(torch.autograd.Function):
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.has_bias = bias is not None
         # a saved operand is its tensors (save_for_backward) and its spec (ctx.specs)
-        if override is not None:
+        if source is not None:
             ctx.specs = tuple(op.spec for op in kept) if kept else None
-            ctx.save_for_backward(w, *high_precision.saved(override, x, *(kept or (None,) * 2)))
+            ctx.save_for_backward(w, *high_precision.saved(source, x, *(kept or (None,) * 2)))
             return y
         xt, ctx.xt_meta = layout.saved_columns(xt) if xt is not None else (None, None)
         ctx.specs = tuple(None if op is None else op.spec for op in (wt, xt))
@@ -315,16 +384,22 @@ class GemmsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override, layout = ctx.recipe.backward_override, ctx.layout
+        source, layout = _backward_source(ctx.recipe), ctx.layout
         with autocast_off(dy.device.type):
             g = layout.gradient(dy)
-            if override is not None:
-                w, *kept = ctx.saved_tensors
-                x, w = high_precision.restored(override, w, kept, ctx.specs)
-                dx, dw = high_precision.grads(g, x, w, need_dx, need_dw, ctx.x_dtype, ctx.w_dtype,
-                                              layout.offs)
-            else:
+            if source is None:
                 dx, dw = _nvfp4_grads(ctx, g, need_dx, need_dw)
+            else:
+                w, *kept = ctx.saved_tensors
+                x, w = high_precision.restored(source, w, kept, ctx.specs)
+                if ctx.recipe.backward_override is not None:
+                    dx, dw = high_precision.grads(g, x, w, need_dx, need_dw, ctx.x_dtype,
+                                                  ctx.w_dtype, layout.offs)
+                else:
+                    q = quantizers.build_ms_eden(ctx.recipe, Usage(need_dx, need_dw),
+                                                 next_sr_key(*ctx.sr), g.device)
+                    dx, dw = ms_eden_grads(layout, resolved(ctx.backend), g, x, w, q, ctx.x_dtype,
+                                           ctx.w_dtype)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY

@@ -165,9 +165,12 @@ def check_sizes(layer: str, sizes: Dict[str, int]) -> None:
 def nvfp4_operands(recipe: NVFP4Recipe) -> Tuple[str, ...]:
     """The operands a layer's GEMMs take in NVFP4 under ``recipe``, by the names ``inspect``
     records them under: "w", "x" (fprop), "xt" (wgrad), "dy", "dyt" (dgrad, wgrad), without those
-    of the GEMMs ``forward_override`` / ``backward_override`` take out of NVFP4."""
+    of the GEMMs ``forward_override`` / ``backward_override`` take out of NVFP4, nor those an
+    MS-EDEN backward (``backward_estimator``) quantizes under its per-step rotation (not
+    recorded)."""
     fprop = () if recipe.forward_override else ("w", "x")
-    return fprop + (() if recipe.backward_override else ("xt", "dy", "dyt"))
+    backward = recipe.backward_override or recipe.backward_estimator
+    return fprop + (() if backward else ("xt", "dy", "dyt"))
 
 
 class Recording:
@@ -371,6 +374,8 @@ class NVFP4Module(nn.Module):
                          f"{r.four_over_six_e4m3_max}{', fast-math' if r.four_over_six_fast_math else ''})")
         parts += [f"{direction}-{o.value}" for direction, o in (
             ("fwd", r.forward_override), ("bwd", r.backward_override)) if o is not None]
+        if r.backward_estimator:
+            parts.append(f"bwd-{r.backward_estimator.value}({r.ms_eden_rotation})")
         return f"recipe=nvfp4({', '.join(parts)}), backend={r.backend.value}"
 
     def cached_operand(self, name: str, weight: torch.Tensor, backend: str,

@@ -13,7 +13,8 @@ columnwise copies of one tensor, each None when that usage is off::
     dY       DY_DGRAD: dgrad's A (SR)          DY_WGRAD: wgrad's A (RHT, SR)
 
 :func:`build` makes them (the only place that reads the recipe, the RHT signs, the SR key and the
-tensor-parallel shard for the GEMMs); ``gemms.py`` turns them into the backend primitives'
+tensor-parallel shard for the GEMMs), :func:`build_ms_eden` those of an MS-EDEN backward (X^T and
+W^T quantized again from X and W); ``gemms.py`` turns them into the backend primitives'
 arguments.
 """
 
@@ -21,20 +22,23 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from . import reference as R
 from .backends import AmaxReduce, IntOrTensor
-from .recipe import SR_OFFSETS, NVFP4Recipe
+from .recipe import MS_EDEN_OFFSETS, ROTATION_SIGNS_OFFSET, SR_OFFSETS, NVFP4Recipe
 from .spec import GemmRole, QuantSpec
 
 __all__ = ["OperandQuantizer", "TensorQuantizer", "Quantizers", "Usage", "FPROP_ONLY", "build",
-           "amax_reducer", "inspected"]
+           "build_ms_eden", "amax_reducer", "inspected"]
 
 
 class OperandQuantizer(NamedTuple):
     """How one GEMM operand is quantized (TE's ``NVFP4Quantizer`` for one usage).
 
     Fields:
-        role: the operand's GemmRole; spec: ``recipe.spec(role)``.
-        signs: (16,) float32 +-1 RHT signs, only when ``spec.rht``; else None.
+        role: the operand's GemmRole; spec: ``recipe.spec(role)`` (an MS-EDEN backward's W^T,
+            role W_FPROP: the spec of DY_DGRAD, the other operand of its GEMM).
+        signs: (16,) float32 +-1 RHT signs, only when ``spec.rht``; an MS-EDEN operand's
+            rotation signs; else None.
         seed: the Philox key of the SR stream (an int64 device scalar in backward), 0 in forward.
         offset: where the operand's SR counters start: ``recipe.SR_OFFSETS[role]`` plus, for a
             tensor-parallel shard, the blocks of the shards before it
@@ -71,7 +75,7 @@ class Quantizers(NamedTuple):
     """The quantizers of one pass of a layer: X and W in forward (``dy`` None), dY in backward
     (``x`` and ``w`` None). W's rowwise quantizer is always there (a W^T is made from W's
     quantization); X has no rowwise one where the recipe's ``forward_override`` takes fprop out
-    of NVFP4."""
+    of NVFP4. An MS-EDEN backward (:func:`build_ms_eden`) has all three: X and W columnwise."""
 
     x: Optional[TensorQuantizer]
     w: Optional[TensorQuantizer]
@@ -124,8 +128,15 @@ def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
             tensor-parallel ``shard``'s group).
     Returns:
         :class:`Quantizers`.
+    Raises:
+        ValueError: a backward (``dy``) under ``recipe.backward_estimator``, whose quantizers
+            :func:`build_ms_eden` makes from X and W, not from a saved W^T and X^T.
     """
     if dy is not None:
+        if recipe.backward_estimator is not None:
+            raise ValueError(f"NVFP4Recipe.backward_estimator={recipe.backward_estimator.value!r} "
+                             f"quantizes W^T and X^T again from the forward's X and W; a backward "
+                             f"from a saved W^T and X^T does not run it")
         m, n = dy
         rows = cols = None
         if usage.dgrad:
@@ -147,6 +158,35 @@ def build(recipe: NVFP4Recipe, signs: torch.Tensor, usage: Usage, shard=None,
         _quantizer(recipe, GemmRole.X_WGRAD, signs, shard) if usage.wgrad else None)
     return Quantizers(x, TensorQuantizer(w, w._replace(gemm_only=False) if usage.dgrad else None),
                       None)
+
+
+def build_ms_eden(recipe: NVFP4Recipe, usage: Usage, sr_key: IntOrTensor, device) -> Quantizers:
+    """The quantizers of an MS-EDEN backward (``recipe.backward_estimator``; Quartet II, arXiv
+    2601.22813): dY's rowwise copy (dgrad's A) with W's columnwise copy (dgrad's B: W^T quantized
+    again from W), dY's columnwise copy (wgrad's A) with X's (X^T), each None without its GEMM.
+    All under the recipe's MS-EDEN spec and one rotation, whose signs
+    (``reference.rotation_signs``) come from the step's SR key at ``ROTATION_SIGNS_OFFSET``, so
+    that the rotations of each GEMM's two operands cancel in the product; each copy draws its block
+    scales' SR from its own counters (``MS_EDEN_OFFSETS``). W^T comes back as codes (the experts'
+    layout restacks them), the others may come as inner values (used by their GEMM only).
+
+    Args:
+        recipe: an MS-EDEN recipe; usage: dgrad and wgrad (``keep`` unused).
+        sr_key: the step's SR key (``layer.next_sr_key``); device: where the signs go.
+    Returns:
+        :class:`Quantizers` (x, w: columnwise only; dy: both).
+    """
+    signs = R.rotation_signs(sr_key, ROTATION_SIGNS_OFFSET, recipe.ms_eden_rotation, device)
+
+    def copy(needed: bool, role: GemmRole, spec_of: GemmRole) -> Optional[OperandQuantizer]:
+        return OperandQuantizer(role, recipe.spec(spec_of), signs, sr_key, MS_EDEN_OFFSETS[role],
+                                None, role is not GemmRole.W_FPROP) if needed else None
+    dgrad, wgrad = usage.dgrad, usage.wgrad
+    return Quantizers(
+        TensorQuantizer(None, copy(wgrad, GemmRole.X_WGRAD, GemmRole.X_WGRAD)),
+        TensorQuantizer(None, copy(dgrad, GemmRole.W_FPROP, GemmRole.DY_DGRAD)),
+        TensorQuantizer(copy(dgrad, GemmRole.DY_DGRAD, GemmRole.DY_DGRAD),
+                        copy(wgrad, GemmRole.DY_WGRAD, GemmRole.DY_WGRAD)))
 
 
 def amax_reducer(q: OperandQuantizer) -> AmaxReduce:

@@ -19,13 +19,23 @@ from typing_extensions import Doc
 
 from .formats import BLOCK, FLT_MAX
 from .reference import DEFAULT_RHT_SIGNS
-from .spec import (FOUR_OVER_SIX_DEFAULT_E4M3_MAX, FOUR_OVER_SIX_E4M3_MAX, BackendName, Block,
-                   FourOverSix, FourOverSixError, FourOverSixOperands, GemmRole, Override, QuantSpec,
-                   Rounding, Scaling, enum_values, parse_enum)
+from .spec import (FOUR_OVER_SIX_DEFAULT_E4M3_MAX, FOUR_OVER_SIX_E4M3_MAX,
+                   MS_EDEN_DEFAULT_ROTATION, MS_EDEN_ROTATIONS, BackendName, BackwardEstimator,
+                   Block, FourOverSix, FourOverSixError, FourOverSixOperands, GemmRole, MSEden,
+                   Override, QuantSpec, Rounding, Scaling, enum_values, parse_enum)
 
 # SR stream offsets of the two gradient operands: disjoint Philox counter ranges for any tensor of
 # fewer than 2**35 elements (16 elements per counter).
 SR_OFFSETS = {GemmRole.DY_DGRAD: 0, GemmRole.DY_WGRAD: 2**31}
+# An MS-EDEN backward's counters (backward_estimator="ms_eden"), under the step's SR key: the
+# block-scale draws of its four operands (one counter per block of 16: disjoint ranges for any
+# operand of fewer than 2**34 elements), by role (W_FPROP: dgrad's W^T, quantized again from W),
+# and the one counter of the rotation's signs.
+MS_EDEN_OFFSETS = {GemmRole.DY_DGRAD: 0, GemmRole.W_FPROP: 2**30, GemmRole.DY_WGRAD: 2**31,
+                   GemmRole.X_WGRAD: 3 * 2**30}
+ROTATION_SIGNS_OFFSET = 2**32 - 1
+# The operands an MS-EDEN backward quantizes: all of the backward's (W^T under DY_DGRAD's spec)
+_MS_EDEN_ROLES = (GemmRole.DY_DGRAD, GemmRole.DY_WGRAD, GemmRole.X_WGRAD)
 
 # The operands each ``four_over_six`` setting quantizes with 4/6 (W^T is W's exact transpose).
 _FOUR_OVER_SIX_ROLES = {
@@ -142,6 +152,17 @@ class NVFP4Recipe(AOBaseConfig):
         keep_first_blocks, keep_last_blocks: keep the first / last transformer blocks (the
             model's repeated blocks, ``blocks.repeated_blocks``) in high precision: an int count,
             or a number in (0, 1) for that fraction of the blocks, rounded up.
+        backward_estimator: None (the backward as ``rht`` and ``stochastic_rounding`` say), or a
+            :class:`~nvfp4_recipe.spec.BackwardEstimator`: MS_EDEN ("ms_eden": Quartet II's,
+            arXiv 2601.22813): dgrad and wgrad quantize dY, dY^T and the forward's NVFP4 W^T
+            and X^T (dequantized; the unquantized ones under forward_override) again with
+            MS-EDEN (``spec.MSEden``): rotated along the GEMM's inner dimension by a random
+            Hadamard transform drawn every backward, values rounded to nearest, block scales
+            EDEN-corrected and rounded stochastically. Needs rht=False, stochastic_rounding=
+            False (MS-EDEN replaces both), per-tensor scaling, no backward_override, and
+            four_over_six other than "all" (4/6 then applies to the forward's operands).
+        ms_eden_rotation: the MS-EDEN rotation size, 16, 32, 64 or 128 (the default, Quartet
+            II's); keeps its default unless backward_estimator is set.
         shared_weight_amax: the projections serving engines fuse into one GEMM (q/k/v and
             gate/up: Hugging Face's ``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``,
             torchtitan's ``wq``/``wk``/``wv``, ``w1``/``w3``; ``fused.GROUPS``) quantize their
@@ -184,6 +205,11 @@ class NVFP4Recipe(AOBaseConfig):
         None, "dgrad and wgrad in high precision: high_precision (unquantized X, W) or dequantized")
     forward_override: Optional[Override] = _field(
         None, "fprop in high precision (high_precision), the backward as the recipe says")
+    backward_estimator: Optional[BackwardEstimator] = _field(
+        None, "ms_eden: Quartet II's backward (rotated operands, EDEN-corrected scales rounded "
+              "stochastically); needs rht and stochastic_rounding off")
+    ms_eden_rotation: int = _field(MS_EDEN_DEFAULT_ROTATION,
+                                   "the MS-EDEN rotation size: 16, 32, 64 or 128")
     keep_first_blocks: float = _field(
         0, "keep the first transformer blocks in high precision: a count or a fraction in (0, 1)")
     keep_last_blocks: float = _field(
@@ -211,6 +237,7 @@ class NVFP4Recipe(AOBaseConfig):
         self._set("seed", int(self.seed))
         self._check_four_over_six()
         self._check_overrides()
+        self._check_backward_estimator()
         for name in ("keep_first_blocks", "keep_last_blocks"):
             value = getattr(self, name)
             count = _is_number(value) and value >= 0 and float(value).is_integer()
@@ -231,6 +258,28 @@ class NVFP4Recipe(AOBaseConfig):
         _check(self.forward_override is None or self.backward_override is not Override.DEQUANTIZED,
                "backward_override", "'dequantized' needs the forward's NVFP4 operands, but "
                "forward_override='high_precision' runs fprop without them")
+
+    def _check_backward_estimator(self) -> None:
+        rotation = self.ms_eden_rotation
+        _check(_is_int(rotation) and rotation in MS_EDEN_ROTATIONS, "ms_eden_rotation",
+               f"must be one of {MS_EDEN_ROTATIONS}, got {rotation!r}")
+        self._set("ms_eden_rotation", int(rotation))
+        if self.backward_estimator is None:
+            _check(rotation == MS_EDEN_DEFAULT_ROTATION, "ms_eden_rotation",
+                   "given, but backward_estimator=None")
+            return
+        self._set("backward_estimator", parse_enum(BackwardEstimator, self.backward_estimator,
+                                                   "NVFP4Recipe.backward_estimator"))
+        why = "MS-EDEN (backward_estimator='ms_eden') "
+        _check(not self.rht, "rht", why + "rotates the backward's operands itself; set rht=False")
+        _check(not self.stochastic_rounding, "stochastic_rounding",
+               why + "rounds the gradients' values to nearest and their block scales "
+               "stochastically; set stochastic_rounding=False")
+        _check(self.scaling is Scaling.PER_TENSOR, "scaling", why + "takes per-tensor scaling")
+        _check(self.backward_override is None, "backward_override",
+               why + "quantizes the backward, which backward_override takes out of NVFP4")
+        _check(self.four_over_six is not FourOverSixOperands.ALL, "four_over_six",
+               why + "quantizes dY and dY^T, which 'all' would put under 4/6; use 'activations'")
 
     def blocks_kept(self, n_blocks: int) -> Tuple[int, int]:
         """(first, last): how many of ``n_blocks`` repeated blocks stay in high precision at the
@@ -271,6 +320,8 @@ class NVFP4Recipe(AOBaseConfig):
                            self.four_over_six_fast_math)
 
     def _quant_spec(self, role: GemmRole) -> QuantSpec:
+        if self.backward_estimator is BackwardEstimator.MS_EDEN and role in _MS_EDEN_ROLES:
+            return QuantSpec(ms_eden=MSEden(self.ms_eden_rotation))
         fos = self._four_over_six(role)
         if role is GemmRole.W_FPROP:
             return QuantSpec(Block.D2 if self.weight_2d else Block.D1, four_over_six=fos)
@@ -285,7 +336,9 @@ class NVFP4Recipe(AOBaseConfig):
         """How the operand ``role`` (a GemmRole or its value, e.g. "dy_dgrad") of a linear's three
         GEMMs is quantized (the table of docs/recipe.md): weights 2d (or 1d) per-tensor RN;
         activations and gradients 1d with the recipe's scaling, SR on gradients, RHT and amax
-        estimation on the wgrad operands. Raises ValueError for an unknown role."""
+        estimation on the wgrad operands; 4/6 on the operands ``four_over_six`` names; under
+        MS-EDEN (``backward_estimator``) dY, dY^T and X^T MS-EDEN's (``QuantSpec.ms_eden``), as
+        dgrad's W^T takes DY_DGRAD's. Raises ValueError for an unknown role."""
         spec = self._specs.get(role)
         if spec is None:
             raise ValueError(f"unknown operand role {role!r}; expected a GemmRole or one of "

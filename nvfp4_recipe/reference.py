@@ -120,14 +120,23 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         tensor of the shape and dtype of ``x``.
     """
     _check_last_dim(x)
-    y = (x.float().reshape(-1, BLOCK) * signs.to(device=x.device, dtype=torch.float32))
+    return (_signed_butterfly(x, signs) * 0.25).reshape(x.shape).to(x.dtype)
+
+
+def _signed_butterfly(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``(x_group * signs) @ H_n`` in fp32 for the groups of n = len(signs) elements along the
+    last dimension of ``x`` (H_n the Sylvester Hadamard matrix, entries +-1): the fixed butterfly
+    of log2(n) stages, pair distance 1, 2, ..., n/2, ``(a, b) -> (a + b, a - b)``. Returns the
+    (groups, n) float32 result."""
+    n = signs.shape[0]
+    y = x.float().reshape(-1, n) * signs.to(device=x.device, dtype=torch.float32)
     h = 1
-    while h < BLOCK:
-        pairs = y.reshape(-1, BLOCK // (2 * h), 2, h)
+    while h < n:
+        pairs = y.reshape(-1, n // (2 * h), 2, h)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack([a + b, a - b], dim=2).reshape(-1, BLOCK)
+        y = torch.stack([a + b, a - b], dim=2).reshape(-1, n)
         h *= 2
-    return (y * 0.25).reshape(x.shape).to(x.dtype)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,8 +251,9 @@ def _candidate_error(x16: torch.Tensor, scale: torch.Tensor, enc: torch.Tensor,
 
 
 def _tile_sum(err: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis of 16 tile-row errors in TE's tree order (its CUDA warp reduction,
-    ``_sum_4over6_2d_error``): rows i and i + 8, then i and i + 4, i + 2, i + 1."""
+    """Sum over the last axis (a power of two long) in a tree order: its halves added elementwise,
+    until one is left (16 tile-row errors: rows i and i + 8, then i and i + 4, i + 2, i + 1, TE's
+    CUDA warp reduction ``_sum_4over6_2d_error``; also MS-EDEN's correction sums)."""
     while err.shape[-1] > 1:
         half = err.shape[-1] // 2
         err = err[..., :half] + err[..., half:]
@@ -308,10 +318,166 @@ def round_sr(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return e2m1_floor_code(t) | ((v < 0).to(torch.uint8) << 3)
 
 
+# ----------------------------------------------------------------------------------------------
+# MS-EDEN (docs/recipe.md, "MS-EDEN"): Quartet II's unbiased quantizer of the backward's operands
+# (arXiv 2601.22813; IST-DASLab/Quartet-II, src/models/quantization/schemes/quartet_2.py)
+# ----------------------------------------------------------------------------------------------
+# Quartet II's constants: a block's amax maps to 6 / (17/16 * 0.93) ~ 6.07 in E2M1 units
+# (``backward_scale_override``; values from 5 up round to 6), and the outer scale maps the tensor's
+# amax to 255.99 in E4M3 units, not 448, which leaves the EDEN-corrected scales room to grow
+# (``eden_1x16s_fp4_kernel``'s ``scales_max``). Both are fp32 constants where they are used.
+MS_EDEN_VAL_MAX = 6.0 / (17 / 16 * 0.93)
+MS_EDEN_E4M3_MAX = 255.99
+# E2M1 rounding to nearest with ties away from zero (Quartet II's ``rtn_fp4``): a magnitude at or
+# above each threshold moves up one code.
+_HALF_AWAY_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def rotation_size(length: int, size: int) -> int:
+    """The MS-EDEN rotation size along a dimension of ``length`` elements (a multiple of 16):
+    ``size`` (a power of two), or where ``length`` is not a multiple of it, the largest power of
+    two that divides ``length``."""
+    while length % size:
+        size //= 2
+    return size
+
+
+def rotation_signs(seed: IntOrTensor, offset: IntOrTensor, size: int, device=None) -> torch.Tensor:
+    """The ``size`` (at most 128) +-1 signs of an MS-EDEN rotation from one Philox call: sign i is
+    -1 where bit ``i % 32`` of word ``i // 32`` of ``tl.randint4x(seed, offset)`` is set.
+
+    Returns:
+        (size,) float32 tensor of +-1.
+    """
+    counter = torch.as_tensor(offset, dtype=torch.int64, device=device).reshape(1)
+    words = torch.stack(philox4x32(seed, counter), dim=-1).reshape(4)
+    i = torch.arange(size, device=words.device)
+    return (1 - 2 * ((words[i // 32] >> (i % 32)) & 1)).to(torch.float32)
+
+
+def block_uniforms(seed: IntOrTensor, offset: IntOrTensor, n: int, device=None) -> torch.Tensor:
+    """One uniform draw in [0, 1) per block for the stochastic rounding of MS-EDEN's block scales:
+    block b (row-major over the operand's blocks) takes the top 24 bits of the first word of
+    ``tl.randint4x(seed, offset + b)``, times 2**-24 (exact in fp32). The counters are those
+    :func:`sr_bits` gives a block's elements.
+
+    Returns:
+        (n,) float32 tensor.
+    """
+    counter = torch.as_tensor(offset, dtype=torch.int64, device=device) + torch.arange(
+        n, dtype=torch.int64, device=device)
+    return (philox4x32(seed, counter)[0] >> 8).to(torch.float32) * 2.0**-24
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """The random Hadamard rotation of MS-EDEN along the last dimension, in groups of n =
+    len(signs) (a power of two dividing it): ``y_group = x_group @ diag(signs) @ H_n / sqrt(n)``,
+    the fixed fp32 butterfly of :func:`rht` over n points, then times fp32(1 / sqrt(n)) (exact for
+    n = 16 and 64). Kept in fp32, as Quartet II's kernel keeps ``tl.dot``'s result.
+
+    Args:
+        x: (..., L) float tensor; signs: (n,) tensor of +-1.
+    Returns:
+        float32 tensor of the shape of ``x``.
+    """
+    n = signs.shape[0]
+    norm = torch.tensor(n ** -0.5, dtype=torch.float32, device=x.device)
+    return (_signed_butterfly(x, signs) * norm).reshape(x.shape)
+
+
+def _e4m3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 to E4M3, nearest even, saturating at +-448 (the GPU's ``cvt.rn.satfinite``)."""
+    return torch.clamp(v, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _e2m1_encode_half_away(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of fp32 ``v`` rounded to nearest, ties away from zero (magnitudes above 6 give
+    6); the sign bit is set where ``v > 0`` does not hold (a zero gives code 8, -0), as Quartet
+    II's ``rtn_fp4`` multiplies by ``where(x > 0, 1, -1)``."""
+    a = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for t in _HALF_AWAY_THRESHOLDS:
+        code += a >= t
+    return code | ((~(v > 0)).to(torch.uint8) << 3)
+
+
+def _e4m3_sr(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """fp32 scales ``s`` >= 0 rounded stochastically to E4M3 with uniforms ``u``: ``c =
+    e4m3(s)`` (satfinite) and its neighbours by code; ``(down, up)`` = ``(c - 1, c)`` where c > s,
+    else ``(c, c + 1)``; up where ``u < (s - down) / (up - down)``, else down (so E = s). A scale
+    at 448 stays 448 (its upper neighbour is NaN). Quartet II's ``eden_1x16s_fp4_kernel``."""
+    bits = _e4m3(s).view(torch.uint8)
+    value = lambda b: b.view(torch.float8_e4m3fn).float()
+    curr = value(bits)
+    above = curr > s
+    up = torch.where(above, curr, value(bits + 1))
+    down = torch.where(above, value(bits - 1), curr)
+    return torch.where(u < (s - down) / (up - down), up, down).to(torch.float8_e4m3fn)
+
+
+def ms_eden_round(y: torch.Tensor, size: int, amax_: torch.Tensor, uniforms: torch.Tensor):
+    """MS-EDEN's rounding of a rotated operand (docs/recipe.md), in fp32 and in the order of Quartet
+    II's ``eden_1x16s_fp4_kernel`` (``quartet_2.py``), given its amax and uniforms:
+
+    - outer: ``S_dec = amax / 255.99 / v_max`` (1 where amax == 0), ``v_max = 6 / (17/16 * 0.93)``;
+    - block: ``sf = e4m3(block_amax / v_max / S_dec)`` (1 where it is 0), values ``q =
+      RTN(y / (sf * S_dec))`` (ties away from zero, :func:`_e2m1_encode_half_away`);
+    - EDEN correction per rotation group of ``size`` elements, with ``v = y / (sf * S_dec)``:
+      ``sum v*v / sum v*q`` (1 where the denominator is 0), each sum in the pairwise order of
+      :func:`_tile_sum` (the reference's ``tl.sum`` leaves it open);
+    - each block scale ``sf * correction`` rounded stochastically to a neighbouring E4M3 value
+      (:func:`_e4m3_sr`), so that ``q * scale * S_dec`` is the EDEN estimate in expectation.
+
+    Args:
+        y: (..., L) float32, L a multiple of ``size``; size: the rotation group (16 to 128).
+        amax_: fp32 0-d amax of ``y``; uniforms: fp32 (y.numel() // 16,), one per block.
+    Returns:
+        (codes uint8 (..., L), E4M3 block scales (..., L // 16), fp32 0-d S_dec).
+    """
+    dev, n = y.device, y.shape[-1]
+    one = torch.ones((), device=dev)
+    v_max, e4m3_max = (torch.tensor(c, dtype=torch.float32, device=dev)
+                       for c in (MS_EDEN_VAL_MAX, MS_EDEN_E4M3_MAX))
+    s_dec = torch.where(amax_ == 0, one, amax_ / e4m3_max / v_max)
+    blocks = y.reshape(*y.shape[:-1], n // BLOCK, BLOCK)
+    sf = _e4m3(blocks.abs().amax(dim=-1) / v_max / s_dec).float()
+    sf = torch.where(sf == 0, one, sf)
+    v = blocks / (sf * s_dec)[..., None]
+    codes = _e2m1_encode_half_away(v)
+    q = e2m1_decode(codes)
+    groups = lambda t: t.reshape(*y.shape[:-1], n // size, size)
+    num, den = _tile_sum(groups(v * v)), _tile_sum(groups(v * q))
+    correction = torch.where(den == 0, one, num / den)
+    corrected = sf.reshape(*y.shape[:-1], n // size, size // BLOCK) * correction[..., None]
+    scale = _e4m3_sr(corrected.reshape(sf.shape), uniforms.reshape(sf.shape))
+    return codes.reshape(y.shape), scale, s_dec
+
+
+def _ms_eden_rotated(x: torch.Tensor, spec: QuantSpec, signs: Optional[torch.Tensor]):
+    """(rotation size along x's last dimension, x rotated by the first that many ``signs``)."""
+    full = spec.ms_eden.rotation
+    if signs is None or tuple(signs.shape) != (full,):
+        raise ValueError(f"an MS-EDEN operand needs the {full} signs of its rotation, got "
+                         f"{None if signs is None else tuple(signs.shape)}")
+    size = rotation_size(x.shape[-1], full)
+    return size, hadamard_rotate(x, signs[:size])
+
+
+def _quantize_ms_eden(x: torch.Tensor, spec: QuantSpec, seed: IntOrTensor, offset: IntOrTensor,
+                      signs: Optional[torch.Tensor], amax_: Optional[torch.Tensor]) -> NVFP4Operand:
+    """:func:`quantize` of an MS-EDEN operand (:func:`ms_eden_round` of the rotated x)."""
+    size, y = _ms_eden_rotated(x, spec, signs)
+    amax_ = amax(y, Scaling.PER_TENSOR) if amax_ is None else amax_.float()
+    u = block_uniforms(seed, offset, y.numel() // BLOCK, y.device)
+    codes, scale, s_dec = ms_eden_round(y, size, amax_, u)
+    return NVFP4Operand(pack_nibbles(codes), scale, s_dec, spec)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTensor = 0,
              offset: IntOrTensor = 0, rht_signs: Optional[torch.Tensor] = None,
              amax_: Optional[torch.Tensor] = None) -> NVFP4Operand:
-    """Quantize a high-precision tensor to NVFP4 with TransformerEngine's chain (spec items 1-11).
+    """Quantize a high-precision tensor to NVFP4 with TransformerEngine's chain (spec items 1-11),
+    or with Quartet II's MS-EDEN (docs/recipe.md): :func:`ms_eden_round` of the rotated x.
 
     In fp32 and in this order: ``S_enc = min(2688 / amax, FLT_MAX)``, ``S_dec = 1 / S_enc``;
     block scale ``sf = e4m3(clamp(min(block_amax * (S_enc * (1/6)), FLT_MAX), -448, 448))``;
@@ -327,17 +493,25 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
             (quantize ``rht(x, rht_signs)``, rounded to x's dtype, spec item 7) and amax_scale
             (use ``amax_scale * amax(x)`` as the amax, spec item 8) and four_over_six (block
             scales by :func:`four_over_six_scales`, after the RHT if any; with SR the block is
-            rounded stochastically under the scale its RN error chose, item 11).
-        seed, offset: the SR stream, see :func:`sr_bits`; ignored for RN.
-        rht_signs: (16,) +-1 RHT signs, needed when ``spec.rht``.
-        amax_: overrides the amax (scalar or (..., M)); the backends pass the estimate here.
+            rounded stochastically under the scale its RN error chose, item 11), or ms_eden (all
+            of it MS-EDEN's, on x rotated along K in groups of the rotation size, or of the
+            largest power of two that divides K, :func:`rotation_size`).
+        seed, offset: the SR stream, see :func:`sr_bits` (MS-EDEN: :func:`block_uniforms`);
+            ignored for RN.
+        rht_signs: (16,) +-1 RHT signs, needed when ``spec.rht``; an MS-EDEN operand's
+            (``spec.ms_eden.rotation``,) rotation signs (:func:`rotation_signs`).
+        amax_: overrides the amax (scalar or (..., M); MS-EDEN: of the rotated x); the backends
+            pass the estimate here.
     Returns:
         :class:`NVFP4Operand` (codes) carrying ``spec``, whose ``outer_scale`` is the decode
         scale S_dec.
     Raises:
-        TypeError, ValueError: see :func:`check_input`; ValueError for an RHT without signs.
+        TypeError, ValueError: see :func:`check_input`; ValueError for an RHT without signs, an
+            MS-EDEN operand without its rotation's.
     """
     check_input(x, spec)
+    if spec.ms_eden is not None:
+        return _quantize_ms_eden(x, spec, seed, offset, rht_signs, amax_)
     if spec.rht and rht_signs is None:
         raise ValueError("an RHT operand needs rht_signs")
     xf = rht(x, rht_signs).float() if spec.rht else x.float()
@@ -368,14 +542,17 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(), *, seed: IntOrTenso
 def operand_amax(x: torch.Tensor, spec: QuantSpec,
                  rht_signs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 amax :func:`quantize` measures for ``x`` under ``spec`` (a scalar, or (..., M) per
-    token): max |RHT(x)| for an RHT operand, else max |x|; with amax estimation max |x|, which
-    ``quantize`` then multiplies by ``spec.amax_scale``. What a caller reduces (a max) across the
-    shards of a tensor before quantizing a shard (tensor parallelism).
+    token): max |RHT(x)| for an RHT operand, max |rotated x| for an MS-EDEN one (``rht_signs``
+    its rotation signs), else max |x|; with amax estimation max |x|, which ``quantize`` then
+    multiplies by ``spec.amax_scale``. What a caller reduces (a max) across the shards of a tensor
+    before quantizing a shard (tensor parallelism).
 
     Raises:
         TypeError, ValueError: as :func:`quantize`.
     """
     check_input(x, spec)
+    if spec.ms_eden is not None:
+        return amax(_ms_eden_rotated(x, spec, rht_signs)[1], Scaling.PER_TENSOR)
     if spec.rht and spec.amax_scale is None:
         if rht_signs is None:
             raise ValueError("an RHT operand needs rht_signs")

@@ -137,6 +137,44 @@ class FourOverSix:
             raise ValueError(f"fast_math: must be a bool, got {self.fast_math!r}")
 
 
+class BackwardEstimator(_StrEnum):
+    """How a recipe's backward (dgrad, wgrad) quantizes its operands in place of the per-operand
+    RHT and SR fields: MS_EDEN, Quartet II's (arXiv 2601.22813; :class:`MSEden`)."""
+
+    MS_EDEN = "ms_eden"
+
+
+# The MS-EDEN rotation sizes (MSEden.rotation, NVFP4Recipe.ms_eden_rotation): powers of two up to
+# Quartet II's 128, whose signs one Philox call gives (128 bits, ``reference.rotation_signs``).
+MS_EDEN_ROTATIONS = (16, 32, 64, 128)
+MS_EDEN_DEFAULT_ROTATION = 128  # Quartet II's (its kernels' and its training scripts')
+
+
+@dataclass(frozen=True)
+class MSEden:
+    """MS-EDEN quantization of one backward operand (docs/recipe.md, "MS-EDEN"; Quartet II, arXiv
+    2601.22813, IST-DASLab/Quartet-II ``src/models/quantization/schemes/quartet_2.py``): rotated
+    along K by a random Hadamard transform of ``rotation`` points, its values rounded to nearest
+    and each block scale multiplied by its rotation group's EDEN correction and then rounded
+    stochastically between its two neighbouring E4M3 values, so that the operand is unbiased.
+
+    Fields:
+        rotation: the rotation size, one of MS_EDEN_ROTATIONS (default 128, Quartet II's), also
+            the group the EDEN correction is taken over; along a K that is not a multiple of it,
+            the largest power of two that divides K (``reference.rotation_size``).
+
+    Raises:
+        ValueError: another rotation size.
+    """
+
+    rotation: int = MS_EDEN_DEFAULT_ROTATION
+
+    def __post_init__(self):
+        if isinstance(self.rotation, bool) or self.rotation not in MS_EDEN_ROTATIONS:
+            raise ValueError(f"rotation: must be one of {MS_EDEN_ROTATIONS}, got {self.rotation!r}")
+        object.__setattr__(self, "rotation", int(self.rotation))
+
+
 class BackendName(_StrEnum):
     """The implementation NVFP4 GEMMs run on: AUTO picks NATIVE on sm100+, TRITON on other CUDA
     GPUs, REFERENCE (plain PyTorch, the numerics spec) elsewhere."""
@@ -182,11 +220,14 @@ class QuantSpec:
         amax_scale: None (measure the amax of what is quantized) or the factor applied to the
             amax of the untransformed operand instead (amax estimation, spec item 8).
         four_over_six: None, or the :class:`FourOverSix` block scaling (spec item 11).
+        ms_eden: None, or the :class:`MSEden` quantization (docs/recipe.md), which brings its own
+            rotation, rounding and scales: 1d blocks, per-tensor, RN, no RHT, amax scale or 4/6.
     Strings are accepted for the enum fields and converted.
 
     Raises:
         ValueError: an unknown enum value, 2d blocks with per-token scaling, an amax_scale
-            that is not a finite positive number, or a four_over_six that is not a FourOverSix.
+            that is not a finite positive number, a four_over_six that is not a FourOverSix, an
+            ms_eden that is not an MSEden or comes with another of the fields it excludes.
     """
 
     block: Block = Block.D1
@@ -195,6 +236,7 @@ class QuantSpec:
     rht: bool = False
     amax_scale: Optional[float] = None
     four_over_six: Optional[FourOverSix] = None
+    ms_eden: Optional[MSEden] = None
 
     def __post_init__(self):
         for name, kind in (("block", Block), ("scaling", Scaling), ("rounding", Rounding)):
@@ -205,6 +247,20 @@ class QuantSpec:
             raise ValueError(f"amax_scale must be None or a finite positive number, got {self.amax_scale!r}")
         if self.four_over_six is not None and not isinstance(self.four_over_six, FourOverSix):
             raise ValueError(f"four_over_six must be None or a FourOverSix, got {self.four_over_six!r}")
+        if self.ms_eden is not None:
+            self._check_ms_eden()
+
+    def _check_ms_eden(self) -> None:
+        if not isinstance(self.ms_eden, MSEden):
+            raise ValueError(f"ms_eden must be None or an MSEden, got {self.ms_eden!r}")
+        excluded = [name for name, off in (
+            ("block", self.block is Block.D1), ("scaling", self.scaling is Scaling.PER_TENSOR),
+            ("rounding", self.rounding is Rounding.RN), ("rht", not self.rht),
+            ("amax_scale", self.amax_scale is None), ("four_over_six", self.four_over_six is None))
+            if not off]
+        if excluded:
+            raise ValueError(f"ms_eden brings its own rotation, rounding and scales (1d blocks, "
+                             f"per_tensor, rn); it takes no {', '.join(excluded)} of another value")
 
     @property
     def sr(self) -> bool:

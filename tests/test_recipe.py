@@ -146,8 +146,8 @@ def test_options_are_generated_from_the_recipe_fields():
         "weight_2d": True, "scaling": "per_tensor", "keep_bf16": [], "keep_first_last": 0,
         "backend": "auto", "seed": 0, "four_over_six": None, "four_over_six_error": "mae",
         "four_over_six_e4m3_max": 256, "four_over_six_fast_math": False, "backward_override": None,
-        "forward_override": None, "keep_first_blocks": 0, "keep_last_blocks": 0,
-        "shared_weight_amax": True}
+        "forward_override": None, "backward_estimator": None, "ms_eden_rotation": 128,
+        "keep_first_blocks": 0, "keep_last_blocks": 0, "shared_weight_amax": True}
     assert type(Options().scaling) is str and Options().keep_bf16 is not Options().keep_bf16
     hints = typing.get_type_hints(Options, include_extras=True)
     types = {name: typing.get_args(hint)[0] for name, hint in hints.items()}  # Annotated[type, Doc]

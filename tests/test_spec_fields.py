@@ -26,13 +26,18 @@ from nvfp4_recipe import spec as spec_module
 from nvfp4_recipe.backends import operators
 from nvfp4_recipe.fsdp import FP4AllGatherWeight, GatherState
 from nvfp4_recipe.operand import GroupedOperand, NVFP4Operand
-from nvfp4_recipe.spec import Block, Form, FourOverSix, GemmRole, Override, QuantSpec
+from nvfp4_recipe.spec import Block, Form, FourOverSix, GemmRole, MSEden, Override, QuantSpec
 
 from nvfp4_cases import rand, signs_for
 
 # The non-default values that a field's type does not give (an enum's other member, a bool's
 # negation and a spec dataclass with every field non-default are derived), by class and field.
-_NON_DEFAULT = {(QuantSpec, "amax_scale"): 0.75, (FourOverSix, "e4m3_max"): 448}
+_NON_DEFAULT = {(QuantSpec, "amax_scale"): 0.75, (FourOverSix, "e4m3_max"): 448,
+                (MSEden, "rotation"): 32}
+# Fields whose non-default value excludes the others' (an MS-EDEN spec brings its own rotation,
+# rounding and scales): at their defaults in the specs with every other field non-default, and
+# non-default alone.
+_EXCLUSIVE = ("ms_eden",)
 
 
 def _non_default(cls: type, field: dataclasses.Field):
@@ -65,10 +70,12 @@ def _all_non_default(cls: type):
 
 
 def _specs() -> dict:
-    """Every field non-default but one of block and scaling (2d blocks take no per-token scaling),
-    and each field alone non-default (so that no dropped or swapped field hides behind another)."""
+    """Every field non-default but one of block and scaling (2d blocks take no per-token scaling)
+    and the _EXCLUSIVE ones, and each field alone non-default (so that no dropped or swapped field
+    hides behind another)."""
     fields = {f.name: _non_default(QuantSpec, f) for f in dataclasses.fields(QuantSpec)}
-    specs = {f"all but {name}": QuantSpec(**dict(fields, **{name: getattr(QuantSpec(), name)}))
+    default = {name: getattr(QuantSpec(), name) for name in _EXCLUSIVE}
+    specs = {f"all but {name}": QuantSpec(**dict(fields, **default, **{name: getattr(QuantSpec(), name)}))
              for name in ("block", "scaling")}
     return dict(specs, **{name: dataclasses.replace(QuantSpec(), **{name: value})
                           for name, value in fields.items()})
@@ -79,9 +86,10 @@ SPECS = _specs()
 
 def _tensor(spec: QuantSpec, seed: int) -> NVFP4Tensor:
     """A fresh (32, 64) tensor quantized under ``spec`` by the reference (with RHT signs where
-    the spec has the RHT)."""
+    the spec has the RHT, rotation signs for MS-EDEN, which the tensor does not hold)."""
     signs = signs_for(seed) if spec.rht else None
-    op = R.quantize(rand((32, 64), seed=seed), spec, seed=seed, rht_signs=signs)
+    rotation = R.rotation_signs(seed, 0, spec.ms_eden.rotation) if spec.ms_eden else signs
+    op = R.quantize(rand((32, 64), seed=seed), spec, seed=seed, rht_signs=rotation)
     return NVFP4Tensor.from_operand(op, torch.bfloat16, signs, "reference")
 
 
@@ -90,6 +98,8 @@ def test_the_specs_set_every_field_of_quantspec_and_fouroversix():
         assert getattr(SPECS[f.name], f.name) != f.default
     for f in dataclasses.fields(FourOverSix):
         assert getattr(SPECS["four_over_six"].four_over_six, f.name) != f.default
+    for f in dataclasses.fields(MSEden):
+        assert getattr(SPECS["ms_eden"].ms_eden, f.name) != f.default
 
 
 # ---------------------------------------------------------------------------- NVFP4Tensor
@@ -106,6 +116,7 @@ def test_an_nvfp4_tensor_keeps_every_field(name):
     buf = io.BytesIO()
     torch.save(t, buf)
     buf.seek(0)
+    torch._dynamo.reset()  # one compile per spec: more specs than Dynamo's recompile limit
     compiled = torch.compile(lambda a: a.clone(), backend="aot_eager", fullgraph=True)(t)
     values = t.dequantize(torch.float32)
     for u, want in ((unflattened, values), (t.t().t(), values), (t[16:32], values[16:32]),
@@ -138,10 +149,10 @@ def _layer(spec: QuantSpec):
     return types.SimpleNamespace(recipe=recipe, out_features=32, in_features=64)
 
 
-# a weight takes no RHT (the recipe puts it on wgrad's operands only): the shard is quantized
-# without signs
+# a weight takes no RHT nor MS-EDEN (the recipe puts them on backward operands only): the shard is
+# quantized without signs
 GATHERED = {name: dataclasses.replace(spec, rht=False) for name, spec in SPECS.items()
-            if name != "rht"}
+            if name not in ("rht", "ms_eden")}
 
 
 @pytest.mark.parametrize("name", GATHERED)

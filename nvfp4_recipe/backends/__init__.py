@@ -66,6 +66,18 @@ class Backend(abc.ABC):
     traced: Tuple[str, ...] = ()
     # primitive -> fake of an opaque one whose body cannot run on fake tensors
     fakes: Dict[str, Callable] = {}
+    # whether the quantize primitives run MS-EDEN specs (QuantSpec.ms_eden): the reference only,
+    # until the Triton kernels do
+    runs_ms_eden = False
+
+    def check_spec(self, spec: QuantSpec) -> None:
+        """Raises ValueError, naming the field, when this backend cannot quantize under ``spec``:
+        an MS-EDEN spec (``QuantSpec.ms_eden``, from ``NVFP4Recipe.backward_estimator``) where
+        :attr:`runs_ms_eden` is False."""
+        if spec.ms_eden is not None and not self.runs_ms_eden:
+            raise ValueError(f"the {self.name} backend does not run MS-EDEN yet "
+                             f"(QuantSpec.ms_eden, from NVFP4Recipe.backward_estimator='ms_eden'); "
+                             f"backend='reference' runs it")
 
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor, spec: QuantSpec, *, seed: IntOrTensor = 0,

@@ -67,8 +67,9 @@ def _encode(obj: Any, tensors: List[Optional[torch.Tensor]]) -> tuple:
     if isinstance(obj, _DATACLASSES):  # not is_dataclass(obj): Dynamo cannot guard type(a float)
         return ("F", _registered(obj),
                 tuple([_encode(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)]))
-    if isinstance(obj, tuple):
-        return ("F", _registered(obj), tuple([_encode(o, tensors) for o in obj]))
+    if isinstance(obj, tuple):  # a plain tuple not by type(obj).__name__: Dynamo 2.11 cannot hash it
+        name = _registered(obj) if hasattr(obj, "_fields") else "tuple"
+        return ("F", name, tuple([_encode(o, tensors) for o in obj]))
     if isinstance(obj, torch.dtype):
         return ("D", _DTYPE_NAMES[obj])
     if isinstance(obj, dict):

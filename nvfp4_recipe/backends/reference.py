@@ -21,10 +21,11 @@ def _reduced_amax(x: torch.Tensor, spec: QuantSpec, signs: Optional[torch.Tensor
 
 @register_backend
 class ReferenceBackend(Backend):
-    """Plain PyTorch: quantization is ``reference.quantize``, the GEMM dequantizes both operands to
-    fp32 and multiplies them (``reference.scaled_mm``)."""
+    """Plain PyTorch: quantization is ``reference.quantize`` (MS-EDEN specs too), the GEMM
+    dequantizes both operands to fp32 and multiplies them (``reference.scaled_mm``)."""
 
     name = "reference"
+    runs_ms_eden = True
     fakes = {"quantize_groups": grouped.fake_quantize_groups,
              "grouped_mm": grouped.fake_grouped_mm}
 

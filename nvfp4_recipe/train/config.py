@@ -150,6 +150,9 @@ RECIPES: Dict[str, Optional[dict]] = {
     "nvfp4-fwd-only-1d-weights": {"backward_override": "high_precision", "weight_2d": False},
     "nvfp4-fwd-only-4over6": {"backward_override": "high_precision", "four_over_six": "activations"},
     "nvfp4-4over6-tail": {"four_over_six": "activations", "keep_last_blocks": TAIL},
+    "nvfp4-quartet2": {"four_over_six": "activations", "four_over_six_error": "mse",
+                       "weight_2d": False, "rht": False, "stochastic_rounding": False,
+                       "backward_estimator": "ms_eden"},
 }
 
 DESCRIPTIONS = {
@@ -173,6 +176,11 @@ DESCRIPTIONS = {
     "nvfp4-fwd-only-4over6": "nvfp4-fwd-only with 4/6 block scaling of the weights and activations "
                              "(four_over_six='activations')",
     "nvfp4-4over6-tail": "nvfp4-4over6 and nvfp4-tail together",
+    "nvfp4-quartet2": "Quartet II (arXiv 2601.22813): fprop with 4/6 (MSE, E4M3 bound 256) on 1x16 "
+                      "weights and activations; dgrad and wgrad with MS-EDEN: dY and the forward's "
+                      "NVFP4 W and X quantized again under a random 128-point Hadamard rotation, "
+                      "values rounded to nearest, EDEN-corrected block scales rounded "
+                      "stochastically (backward_estimator='ms_eden'; the reference backend only)",
 }
 
 
