@@ -17,8 +17,12 @@ implementing FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post
 - after it, the unsharded parameter is an :class:`NVFP4Tensor` (N, K) of ``param_dtype``: the
   bits of quantizing the gathered high-precision weight, since 16x16 tiles of whole rows never
   straddle shards and the amax is the whole weight's. ``NVFP4Linear`` runs fprop on it and dgrad
-  on its exact transpose (``gemms.weight_operands``); wgrad's dense dW (N, K) in ``param_dtype``
-  is the gradient FSDP2 reduce-scatters.
+  on its exact transpose, made locally (``Backend.transpose_2d``: codes and tile scales moved,
+  one kernel on the Triton backend; TransformerEngine rebuilds the columnwise copy of a gathered
+  2D weight alike); wgrad's dense dW (N, K) in ``param_dtype`` is the gradient FSDP2
+  reduce-scatters;
+- the gather FSDP2 repeats before the backward (``reshard_after_forward``) sends the forward's
+  codes again: each rank quantizes its shard once a step.
 
 Layers fall back to the high-precision gather (said once, naming the layer and the reason) where
 the gathered codes cannot be the operands: 1x16 weight blocks (W^T is not a transpose of W's
@@ -59,12 +63,14 @@ _PRESERVED = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor
 class GatherState:
     """What the wrappers of one layer's weight share (FSDP2 rewraps the shard as it pads and
     moves it): the layer's name, the gather's mode (FP4 or HIGH_PRECISION, fixed by the first
-    all-gather: FSDP2 allocates its buffers once) and the bytes this rank has received from the
-    all-gathers of this weight."""
+    all-gather: FSDP2 allocates its buffers once), the bytes this rank has received from the
+    all-gathers of this weight, and this rank's shard as the last all-gather outside a backward
+    quantized it (what the gathers inside the backward send: :meth:`FP4AllGatherWeight.fsdp_pre_all_gather`)."""
 
     name: str
     mode: Optional[str] = None
     gathered_bytes: int = 0
+    quantized: Optional[NVFP4Tensor] = None
 
 
 def _high_precision_reason(module: nn.Module, outer_size: torch.Size, world: int) -> Optional[str]:
@@ -167,14 +173,22 @@ class FP4AllGatherWeight(torch.Tensor):
         shard (an NVFP4Tensor: its outer scale, a float32 scalar equal on every rank, its spec,
         backend and RHT signs are the gathered weight's). High precision: ((padded rows, K) in
         ``param_dtype``,), None: the shard padded as FSDP2 pads an uneven one. Counts the bytes
-        this rank receives.
+        this rank receives. An FP4 gather inside the backward sends the codes of the last gather
+        outside it (the forward's): one quantization and one amax all-reduce a step.
         """
-        shard = self._tensor.to(mp_policy.param_dtype or self.dtype)
+        dtype = mp_policy.param_dtype or self.dtype
         world = mesh.size()
         if _mode(self._state, module, outer_size, world) == FP4:
-            w = _quantize_shard(module, shard, mesh.get_group())
+            # FSDP2 gathers the weight again for the backward (reshard_after_forward): that gather,
+            # inside the autograd engine, sends the forward's codes (the weight is unchanged until
+            # the optimizer's step), not a second quantization and amax all-reduce
+            state = self._state
+            if state.quantized is None or torch._C._current_graph_task_id() == -1:
+                state.quantized = _quantize_shard(module, self._tensor.to(dtype), mesh.get_group())
+            w = state.quantized
             inputs, metadata = (w.qdata, w.scale), w
         else:
+            shard = self._tensor.to(dtype)
             padded = -(-outer_size[0] // world)
             inputs, metadata = (F.pad(shard, (0, 0, 0, padded - shard.shape[0])),), None
         self._state.gathered_bytes += world * sum(t.numel() * t.element_size() for t in inputs)

@@ -29,7 +29,6 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import high_precision, quantizers
-from . import reference as R
 from .backends import Backend, resolved
 from .backends.grouped import expert_rows
 from .formats import BLOCK
@@ -49,12 +48,12 @@ def weight_operands(be: Backend, weight: torch.Tensor, q: TensorQuantizer,
     """fprop's W (N, K) and, with W's columnwise usage (``q.columnwise``), dgrad's W^T (K, N)
     (codes): ``be.prepare_weight`` of a high-precision ``weight`` under ``q.rowwise`` (its spec and
     amax reducer); a weight that is an :class:`NVFP4Tensor` already (FSDP2's fp4 all-gather,
-    ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose (``reference.transpose_2d``:
+    ``fsdp.py``: 2d blocks) is used as it is, W^T its exact transpose (``be.transpose_2d``:
     codes and scales moved)."""
     need_t = q.columnwise is not None
     if isinstance(weight, NVFP4Tensor):
         w = weight.operand
-        return be.prepare(w), R.transpose_2d(w) if need_t else None
+        return be.prepare(w), be.transpose_2d(w) if need_t else None
     return be.prepare_weight(weight, q.rowwise.spec, need_t=need_t,
                              amax_reduce=quantizers.amax_reducer(q.rowwise))
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import nvfp4_recipe as nr
 from nvfp4_recipe import reference as R
+from nvfp4_recipe import fsdp
 from nvfp4_recipe.fsdp import FP4AllGatherWeight, all_gather_bytes, enable_fp4_all_gather
 from nvfp4_recipe.kernels.runtime import interpreting
 from nvfp4_recipe.spec import GemmRole
@@ -57,18 +58,31 @@ def _sharded(model, mesh, fp4, compiled=False):
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+# the shards fsdp._quantize_shard has quantized in this process (_worker counts them)
+QUANTIZED = []
+
+
+def _counting(quantize_shard):
+    def counted(module, shard, group):
+        QUANTIZED.append(tuple(shard.shape))
+        return quantize_shard(module, shard, group)
+    return counted
+
+
 def _train(model, rank, device, steps=STEPS):
-    """AdamW steps on rank ``rank``'s tokens: per step the loss, the full gradients and the bytes
-    gathered; then the full weights."""
+    """AdamW steps on rank ``rank``'s tokens: per step the loss, the full gradients, the bytes
+    gathered and the shards quantized; then the full weights."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(7)
     record = []
     for _ in range(steps):
         x, t = (torch.randn(WORLD, TOKENS, model[0].in_features, generator=g)[rank].to(device),
                 torch.randn(WORLD, TOKENS, model[2].out_features, generator=g)[rank].to(device))
+        QUANTIZED.clear()
         loss = (model(x).float() - t).square().mean()
         loss.backward()
         record.append({"loss": loss.detach().cpu(), "bytes": all_gather_bytes(model, reset=True),
+                       "quantized": list(QUANTIZED),
                        "grads": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}})
         opt.step()
         opt.zero_grad()
@@ -107,6 +121,7 @@ def _gathered(dims, recipe, mesh, device):
 def _worker(rank, world, device, out):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,))
+    fsdp._quantize_shard = _counting(fsdp._quantize_shard)
     messages = _Messages()
     logging.getLogger("nvfp4_recipe").addHandler(messages)
     # the Triton backend on the CPU under the interpreter only (inherited TRITON_INTERPRET=1): a
@@ -190,6 +205,20 @@ def test_fp4_all_gather_moves_codes_and_scales_a_quarter_of_bf16(run):
         narrow = rank_results["train"]["narrow"]["fp4"][0][0]["bytes"]
         assert narrow == {"0": 2 * (WIDE[0] * WIDE[1] // 2 + WIDE[0] * WIDE[1] // 256),
                           "2": 2 * 2 * NARROW[1] * NARROW[2]}
+
+
+def test_the_backward_gather_sends_the_forwards_codes(run):
+    """FSDP2 gathers each linear again for the backward; the weight has not changed since the
+    forward's gather, so each rank quantizes its shard once a step (the forward's), not twice; the
+    optimizer's update makes the next step quantize again. The bits are the two-quantization
+    ones (test_fp4_all_gather_trains_as_the_high_precision_gather_bit_for_bit)."""
+    shards = [(WIDE[1] // WORLD, WIDE[0]), (WIDE[2] // WORLD, WIDE[1])]
+    for rank_results in run:
+        for name in TRAIN_RECIPES:
+            for step in rank_results["train"][name]["fp4"][0]:
+                assert step["quantized"] == shards, name
+        for step in rank_results["train"]["narrow"]["fp4"][0]:  # fc2 falls back: bf16
+            assert step["quantized"] == shards[:1]
 
 
 def test_fallbacks_are_said_once_naming_the_layer_and_the_reason(run):

@@ -113,6 +113,7 @@ CASES = {
     "prepare_weight": lambda be, d, o: be.prepare_weight(d(o["w"]), RECIPE.spec(GemmRole.W_FPROP),
                                                          need_t=True),
     "prepare": lambda be, d, o: be.mm(o["dyq"], be.prepare(d(o["wtq"]))),
+    "transpose_2d": lambda be, d, o: be.transpose_2d(d(o["wtq"])),
     "mm": lambda be, d, o: be.mm(o["xq"], d(o["wq"])),
     "quantize_groups": lambda be, d, o: be.quantize_groups(o["dye"], o["offs"], **DY_PAIR,
                                                            signs=o["signs"], prepare=d(o["wetq"])),

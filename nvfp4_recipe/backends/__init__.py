@@ -60,8 +60,8 @@ class Backend(abc.ABC):
     """
 
     name: str
-    PRIMITIVES = ("quantize", "quantize_pair", "prepare_weight", "prepare", "mm", "quantize_groups",
-                  "quantize_experts", "grouped_mm")
+    PRIMITIVES = ("quantize", "quantize_pair", "prepare_weight", "prepare", "transpose_2d", "mm",
+                  "quantize_groups", "quantize_experts", "grouped_mm")
     # the primitives torch.compile traces into (triton_op) rather than keeps opaque (custom_op)
     traced: Tuple[str, ...] = ()
     # primitive -> fake of an opaque one whose body cannot run on fake tensors
@@ -115,6 +115,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
         """A saved operand made ready to be B in :meth:`mm` (the Triton backend: its inner values)."""
+
+    @abc.abstractmethod
+    def transpose_2d(self, b: NVFP4Operand) -> NVFP4Operand:
+        """The exact transpose (K, N) of a 2d-blocked (N, K) operand in codes, packed along N:
+        codes and tile scales moved, nothing requantized (``reference.transpose_2d``); dgrad's
+        W^T of a weight that arrives quantized (FSDP2's FP4 all-gather)."""
 
     @abc.abstractmethod
     def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,

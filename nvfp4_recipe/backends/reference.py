@@ -58,6 +58,9 @@ class ReferenceBackend(Backend):
     def prepare(self, b: NVFP4Operand) -> NVFP4Operand:
         return b
 
+    def transpose_2d(self, b: NVFP4Operand) -> NVFP4Operand:
+        return R.transpose_2d(b)
+
     def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return R.scaled_mm(a, b, bias=bias, out_dtype=out_dtype)

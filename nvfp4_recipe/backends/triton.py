@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import reference as R
-from ..kernels import amax, expert_weights, gemm, grouped_gemm, grouped_quantize
+from ..kernels import amax, expert_weights, gemm, grouped_gemm, grouped_quantize, transpose
 from ..kernels.dequantize import dequantize_inner
 from ..kernels.quantize import amax_pass, quantize_1d, quantize_2d
 from ..kernels.runtime import inner_values_supported, interpreting
@@ -168,6 +168,10 @@ class TritonBackend(Backend):
                 b = self._dequantized(b)
         side.defer_join(b)
         return b
+
+    def transpose_2d(self, b: NVFP4Operand) -> NVFP4Operand:
+        """``kernels.transpose.transpose_2d``: one launch."""
+        return transpose.transpose_2d(b)
 
     def mm(self, a: NVFP4Operand, b: NVFP4Operand, *, bias: Optional[torch.Tensor] = None,
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
