@@ -84,7 +84,7 @@ def peak_memory(step) -> int:
 
 def breakdown(layer: NVFP4Linear, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """Milliseconds of each piece of an NVFP4Linear step, timed alone: the backend primitives
-    ``linear.linear_fprop`` and ``linear_grads`` call (on the Triton backend the transient operands
+    ``gemms.fprop`` and ``gemms.grads`` call (on the Triton backend the transient operands
     are fp16 inner values, so the fprop and dgrad GEMMs include the dequantize pass of W or W^T;
     the dY pass also dequantizes X^T, wgrad's other operand)."""
     r, be = layer.recipe, get_backend(layer.recipe.backend, x.device)

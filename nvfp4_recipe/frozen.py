@@ -23,56 +23,19 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from . import gemms
 from . import reference as R
-from .backends import resolved
 from .checkpoint_names import saved_layout
+from .forward import forward_gemms
 from .frozen_experts import load_experts
-from .frozen_weights import GEMMS, FrozenModule, check_weight, transposed, weight_operand
-from .layer import (DenseRecorder, autocast_off, backend_name, layer_seed, next_sr_key, out_dtype,
-                    training)
-from .linear import linear_fprop, linear_grads
+from .frozen_weights import GEMMS, FrozenModule, check_weight, weight_operand
+from .layer import DenseRecorder, backend_name, layer_seed, out_dtype
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
 from .spec import Block
 from .tensor import NVFP4Tensor
 
 __all__ = ["NVFP4FrozenLinear", "load_frozen", "read_checkpoint", "lora_config", "GEMMS"]
-
-class _FrozenLinearFn(torch.autograd.Function):
-    """y (M, N) = x (M, K) @ W^T + bias for a frozen NVFP4 W: fprop, and dgrad in backward."""
-
-    @staticmethod
-    def forward(ctx, x, bias, qdata, scale, outer, spec, signs, sr, recipe, backend, gemm, y_dtype):
-        w = NVFP4Operand(qdata, scale, outer, spec)
-        ctx.save_for_backward(qdata, scale, outer, signs)
-        ctx.spec, ctx.sr, ctx.recipe, ctx.backend, ctx.gemm = spec, sr, recipe, backend, gemm
-        ctx.x_dtype = x.dtype
-        return _fprop(w, x, bias, signs, recipe, backend, gemm, y_dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        qdata, scale, outer, signs = ctx.saved_tensors
-        w = NVFP4Operand(qdata, scale, outer, ctx.spec)
-        with autocast_off(dy.device.type):
-            if ctx.gemm == "bf16":
-                dx = (dy @ R.dequantize(w).to(dy.dtype)).to(ctx.x_dtype)
-            else:
-                be = resolved(ctx.backend)
-                dx = linear_grads(be, dy, transposed(w), None, ctx.recipe, signs,
-                                  next_sr_key(*ctx.sr), ctx.x_dtype, ctx.x_dtype)[0]
-        return dx, *(None,) * 11
-
-
-def _fprop(w: NVFP4Operand, x: torch.Tensor, bias: Optional[torch.Tensor], signs: torch.Tensor,
-           recipe: NVFP4Recipe, backend: str, gemm: str, y_dtype: torch.dtype) -> torch.Tensor:
-    """Y (M, N) of y_dtype for x (M, K): ``linear_fprop`` with W given, or x @ dequantized W^T."""
-    if gemm == "bf16":
-        y = x.to(y_dtype) @ R.dequantize(w).to(y_dtype).t()
-        return y if bias is None else y + bias.to(y_dtype)
-    be = resolved(backend)
-    return linear_fprop(be, x, None, bias, recipe, signs, y_dtype, False, False,
-                        w=be.prepare(w))[0]
-
 
 class NVFP4FrozenLinear(FrozenModule):
     """A frozen linear layer holding only its NVFP4 weight: ``y = x @ W^T + bias``.
@@ -142,16 +105,9 @@ class NVFP4FrozenLinear(FrozenModule):
             raise ValueError(f"NVFP4FrozenLinear expects input (..., {self.in_features}), got "
                              f"{tuple(x.shape)}")
         backend = backend_name(self.recipe.backend.value, self.qdata.device)
-        y_dtype = out_dtype(x)
         x2 = x.reshape(-1, self.in_features)
-        args = (self.qdata, self.scale, self.outer_scale, self.spec, self.rht_signs,
-                self.sr_state(), self.recipe, backend, self.gemm, y_dtype)
-        with autocast_off(x.device.type):
-            if training(x):
-                y = _FrozenLinearFn.apply(x2, self.bias, *args)
-            else:
-                y = _fprop(self.operand, x2, self.bias, self.rht_signs, self.recipe, backend,
-                           self.gemm, y_dtype)
+        y = forward_gemms(gemms.Dense(given=self.operand), x2, None, self.bias, self.gemm_recipe(),
+                          self.rht_signs, self.sr_state(), backend, out_dtype(x))
         if self.captured is not None and self.gemm == "nvfp4" and x2.shape[0]:
             # the weight is not recorded: its stored codes have no high-precision original to
             # measure against (``weight`` gives them)

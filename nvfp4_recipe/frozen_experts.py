@@ -24,15 +24,15 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from . import high_precision
+from . import gemms
 from . import reference as R
-from .backends import resolved
 from .export_experts import ExpertProjection, served_projections
-from .frozen_weights import FrozenModule, check_weight, transposed, weight_operand
+from .forward import forward_gemms
+from .frozen_weights import FrozenModule, check_weight, weight_operand
 from .gemms import dequantizable_experts
-from .layer import autocast_off, backend_name, layer_seed, next_sr_key, out_dtype, training
-from .moe import (GroupedRecorder, NVFP4Experts, experts_modules, experts_problem, grouped_fprop,
-                  grouped_grads, routed_experts, swiglu_experts)
+from .layer import backend_name, layer_seed, out_dtype
+from .moe import (GroupedRecorder, NVFP4Experts, experts_modules, experts_problem, routed_experts,
+                  swiglu_experts)
 from .operand import NVFP4Operand
 from .recipe import NVFP4Recipe
 
@@ -42,34 +42,6 @@ __all__ = ["NVFP4FrozenExperts", "NVFP4FrozenHFExperts", "NVFP4FrozenGroupedExpe
 # K/16), decode scales float32 (G,)
 Stacked = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _FIELDS = ("qdata", "scale", "outer_scale")
-
-
-def _fprop(w: NVFP4Operand, x: torch.Tensor, offs: torch.Tensor, signs: torch.Tensor,
-           recipe: NVFP4Recipe, backend: str, y_dtype: torch.dtype) -> torch.Tensor:
-    """Y (T, N) of y_dtype for the token groups x (T, K): ``moe.grouped_fprop`` with W given."""
-    return grouped_fprop(resolved(backend), x, offs, None, recipe, signs, y_dtype, False, False,
-                         wq=w)[0]
-
-
-class _FrozenExpertsFn(torch.autograd.Function):
-    """Y (T, N) = each token group x_g (T, K) @ W_g^T for frozen NVFP4 W (G, N, K): the grouped
-    fprop, and the grouped dgrad in backward."""
-
-    @staticmethod
-    def forward(ctx, x, offs, qdata, scale, outer, spec, signs, sr, recipe, backend, y_dtype):
-        ctx.save_for_backward(offs, qdata, scale, outer, signs)
-        ctx.spec, ctx.sr, ctx.recipe, ctx.backend = spec, sr, recipe, backend
-        ctx.x_dtype = x.dtype
-        return _fprop(NVFP4Operand(qdata, scale, outer, spec), x, offs, signs, recipe, backend, y_dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        offs, qdata, scale, outer, signs = ctx.saved_tensors
-        wt = transposed(NVFP4Operand(qdata, scale, outer, ctx.spec))
-        with autocast_off(dy.device.type):
-            dx = grouped_grads(resolved(ctx.backend), dy.contiguous(), offs, wt, None, ctx.recipe,
-                               signs, next_sr_key(*ctx.sr), ctx.x_dtype, ctx.x_dtype)[0]
-        return dx, *(None,) * 10
 
 
 class NVFP4FrozenExperts(FrozenModule, NVFP4Experts):
@@ -143,18 +115,10 @@ class NVFP4FrozenExperts(FrozenModule, NVFP4Experts):
 
     def _project(self, p: int, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Projection ``p`` (its SR stream) of the padded token groups x (T, K), ends ``offs``."""
-        name = self.STREAMS[p]
-        w = self.operand(name)
+        w = self.operand(self.STREAMS[p])
         backend = backend_name(self.recipe.backend.value, w.device)
-        y_dtype = out_dtype(x)
-        with autocast_off(x.device.type):
-            if self.gemm == "bf16":
-                y = high_precision.fprop(x.to(y_dtype), self.dequantized(name), None, offs)
-            elif training(x):
-                y = _FrozenExpertsFn.apply(x, offs, *w[:3], w.spec, self.rht_signs, self.sr_state(p),
-                                           self.recipe, backend, y_dtype)
-            else:
-                y = _fprop(w, x, offs, self.rht_signs, self.recipe, backend, y_dtype)
+        y = forward_gemms(gemms.Grouped(offs, given=w), x, None, None, self.gemm_recipe(),
+                          self.rht_signs, self.sr_state(p), backend, out_dtype(x))
         if self.captured is not None and self.gemm == "nvfp4":
             # the weights are not recorded: their stored codes have no high-precision original
             self._capture(p, x, None, y, GroupedRecorder(backend, self.captured.keep, offs))

@@ -6,26 +6,27 @@ A checkpoint holds 1x16 block scales (compressed-tensors, ModelOpt). A weight tr
 blocks (the recipe's 2d weights, docs/recipe.md) has one scale on the 16 rows of each tile: read
 back as tile scales (:func:`tile_scales`), its W^T is the exact transpose, dgrad's operand in
 training. A 1x16-scaled weight has no exact transpose: its W^T is W dequantized (exact) and
-quantized again along N (:func:`transposed`), a second rounding that training's W^T (quantized
-from the high-precision weight) does not have.
+quantized again along N (``gemms.Dense.given_columns``), a second rounding that training's W^T
+(quantized from the high-precision weight) does not have.
 
 Every function takes one weight (N, K) or the stacked weights of G experts (G, N, K), whose outer
 scales are (G,), as the grouped primitives take them (``backends.Backend.quantize_experts``).
 """
 
+import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import torch
 
-from . import reference as R
 from .formats import BLOCK
 from .layer import NVFP4Module, check_sizes
 from .operand import NVFP4Operand
 from .quantizers import Usage
 from .recipe import NVFP4Recipe
-from .spec import Block, QuantSpec
+from .spec import Block, Override, QuantSpec
 
-__all__ = ["GEMMS", "tile_scales", "weight_operand", "transposed", "check_weight", "FrozenModule"]
+__all__ = ["GEMMS", "tile_scales", "weight_operand", "check_weight", "FrozenModule"]
 
 GEMMS = ("nvfp4", "bf16")
 # the specs of a checkpoint's weight: 1x16 scales (W^T then requantized along N, as 1d), or
@@ -54,23 +55,6 @@ def weight_operand(qdata: torch.Tensor, scale: torch.Tensor, outer_scale: torch.
     if tiles is None:
         return NVFP4Operand(qdata, scale, outer_scale, _W_1D)
     return NVFP4Operand(qdata, tiles, outer_scale, _W_2D)
-
-
-def _transposed_one(w: NVFP4Operand) -> NVFP4Operand:
-    if w.block is Block.D2:
-        return R.transpose_2d(w)
-    return R.quantize(R.dequantize(w).t(), _W_1D)
-
-
-def transposed(w: NVFP4Operand) -> NVFP4Operand:
-    """W^T (K, N), or each expert's W_g^T stacked (G, K, N): dgrad's B. The exact transpose of 2d
-    blocks; for 1d blocks W dequantized (exact) and quantized again along N (RN)."""
-    if w.qdata.dim() == 2:
-        return _transposed_one(w)
-    experts = [_transposed_one(NVFP4Operand(w.qdata[g], w.scale[g], w.outer_scale[g], w.spec))
-               for g in range(w.qdata.shape[0])]
-    return NVFP4Operand(torch.stack([t.qdata for t in experts]), torch.stack([t.scale for t in experts]),
-                        w.outer_scale, w.spec)
 
 
 def check_weight(layer: str, qdata: torch.Tensor, scale: torch.Tensor, gemm: str) -> Tuple[int, ...]:
@@ -106,6 +90,12 @@ class FrozenModule(NVFP4Module):
         """The names of the buffers holding the weights' codes and scales."""
         raise NotImplementedError
 
+    def gemm_recipe(self) -> NVFP4Recipe:
+        """The recipe the GEMMs run under: the layer's for ``gemm="nvfp4"``; for "bf16" the
+        layer's with fprop and dgrad in high precision (``forward_override``,
+        ``backward_override``), on the weight dequantized for the call."""
+        return self.recipe if self.gemm == "nvfp4" else _high_precision(self.recipe)
+
     def check_recipe(self, recipe: NVFP4Recipe) -> None:
         """A frozen base has no high-precision weight: the overrides that need one are refused."""
         if recipe.forward_override or recipe.backward_override:
@@ -123,3 +113,9 @@ class FrozenModule(NVFP4Module):
             if new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
         return self
+
+
+@functools.lru_cache(maxsize=None)
+def _high_precision(recipe: NVFP4Recipe) -> NVFP4Recipe:
+    return dataclasses.replace(recipe, forward_override=Override.HIGH_PRECISION,
+                               backward_override=Override.HIGH_PRECISION)

@@ -24,11 +24,12 @@ Under ``backward_estimator="ms_eden"`` (Quartet II, arXiv 2601.22813) the backwa
 X (dequantized), as ``backward_override="dequantized"`` keeps them.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from . import high_precision, quantizers
+from . import reference as R
 from .backends import Backend, resolved
 from .backends.grouped import expert_rows
 from .formats import BLOCK
@@ -36,7 +37,7 @@ from .layer import autocast_off, next_sr_key
 from .operand import GroupedOperand, NVFP4Operand
 from .quantizers import Quantizers, TensorQuantizer, Usage
 from .recipe import NVFP4Recipe
-from .spec import Override
+from .spec import Block, Override
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard
 
@@ -90,18 +91,35 @@ class Dense(NamedTuple):
         weight_amax: None, or the fp32 0-d amax W is quantized with instead of its own (a fused
             group's shared amax, ``NVFP4Linear.shared_weight_amax``), which
             :func:`quantizers.build` reads.
+        given: None, or a frozen weight (``frozen.NVFP4FrozenLinear``): W (N, K) given as an
+            operand of codes, whose tensors nothing modifies, in place of a high-precision W
+            (the ``w`` of :class:`GemmsFn` is then None); no wgrad, W^T made in backward
+            (:meth:`given_columns`), the high-precision GEMMs on W dequantized.
     """
 
     shard: Optional[TensorParallelShard] = None
     weight_amax: Optional[torch.Tensor] = None
+    given: Optional[NVFP4Operand] = None
     offs = None  # one group (``high_precision``'s convention)
 
-    @staticmethod
-    def weights(be: Backend, w: torch.Tensor, q: TensorQuantizer,
+    def weights(self, be: Backend, w: Optional[torch.Tensor], q: TensorQuantizer,
                 ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
         """(W, W^T or None): :func:`weight_operands`, W always ready for :meth:`mm` (a W used by
-        fprop's GEMM only changes nothing)."""
+        fprop's GEMM only changes nothing); a given W made ready, its W^T left to backward."""
+        if self.given is not None:
+            return be.prepare(self.given), None
         return weight_operands(be, w, q)
+
+    def given_columns(self, be: Backend) -> NVFP4Operand:
+        """dgrad's W^T (K, N) of the given W: its exact transpose (``be.transpose_2d``) for 16x16
+        tile scales, else W dequantized (exact) and quantized again along N under its spec."""
+        if self.given.block is Block.D2:
+            return be.transpose_2d(self.given)
+        return R.quantize(R.dequantize(self.given).t(), self.given.spec)
+
+    def high_precision_weight(self, w: Optional[torch.Tensor]) -> torch.Tensor:
+        """W as the high-precision GEMMs take it: ``w``, or the given W dequantized (float32)."""
+        return w if self.given is None else R.dequantize(self.given)
 
     @staticmethod
     def tokens(be: Backend, x: torch.Tensor, q: TensorQuantizer,
@@ -160,20 +178,38 @@ class Grouped(NamedTuple):
     Fields:
         offs: int32 (G,) cumulative group ends on the device (``torch._grouped_mm``'s
             convention), never read on the host.
+        given: None, or frozen expert weights (``frozen_experts``): stacked W (G, N, K) given as
+            an operand of codes with (G,) outer scales, as :class:`Dense`'s ``given``.
     """
 
     offs: torch.Tensor
+    given: Optional[NVFP4Operand] = None
 
     shard = None  # the experts are not tensor parallel (a class attribute, not a field)
     weight_amax = None  # each expert's weight has its own amax
 
-    @staticmethod
-    def weights(be: Backend, w: torch.Tensor, q: TensorQuantizer,
+    def weights(self, be: Backend, w: Optional[torch.Tensor], q: TensorQuantizer,
                 ) -> Tuple[NVFP4Operand, Optional[NVFP4Operand]]:
         """(W, W^T or None): ``be.quantize_experts`` under ``q.rowwise``, each W_g alone, W^T with
-        W's columnwise usage (a W used by fprop's GEMM only may come back as inner values)."""
+        W's columnwise usage (a W used by fprop's GEMM only may come back as inner values); a
+        given W as it is, its W^T left to backward."""
+        if self.given is not None:
+            return self.given, None
         return be.quantize_experts(w, q.rowwise.spec, need_t=q.columnwise is not None,
                                    transient=q.rowwise.gemm_only)
+
+    def given_columns(self, be: Backend) -> NVFP4Operand:
+        """Each expert's W_g^T of the given W, stacked (G, K, N): :meth:`Dense.given_columns` of
+        each."""
+        w = self.given
+        experts = [Dense(given=NVFP4Operand(w.qdata[g], w.scale[g], w.outer_scale[g], w.spec))
+                   .given_columns(be) for g in range(w.qdata.shape[0])]
+        return NVFP4Operand(torch.stack([t.qdata for t in experts]),
+                            torch.stack([t.scale for t in experts]), w.outer_scale, w.spec)
+
+    def high_precision_weight(self, w: Optional[torch.Tensor]) -> torch.Tensor:
+        """W as the high-precision GEMMs take it: ``w``, or the given W dequantized (float32)."""
+        return w if self.given is None else R.dequantize(dequantizable_experts(self.given))
 
     def tokens(self, be: Backend, x: torch.Tensor, q: TensorQuantizer,
                next_b: Optional[NVFP4Operand] = None):
@@ -269,7 +305,9 @@ def fprop(layout, be: Backend, x: torch.Tensor, w: torch.Tensor, bias: Optional[
     if q.x.rowwise is None:
         wt = layout.weights(be, w, q.w)[1] if q.w.columnwise else None
         xt = layout.tokens(be, x, q.x)[1] if q.x.columnwise else None
-        return high_precision.fprop(x.to(out_dtype), w, bias, layout.offs), wt, xt, None
+        y = high_precision.fprop(x.to(out_dtype), layout.high_precision_weight(w), bias,
+                                 layout.offs)
+        return y, wt, xt, None
     wt = None
     if wq is None:
         wq, wt = layout.weights(be, w, q.w)
@@ -327,6 +365,32 @@ def ms_eden_grads(layout, be: Backend, dy: torch.Tensor, x: torch.Tensor, w: tor
     return dx, dw
 
 
+def _save(ctx, **kept: Union[None, torch.Tensor, NVFP4Operand]) -> None:
+    """Keep ``kept`` for :func:`_saved` in backward, by name: a tensor as it is, an operand as its
+    tensors (``save_for_backward``, which checks them for in-place changes) and its spec."""
+    tensors, ctx.kept = [], []
+    for name, item in kept.items():
+        if isinstance(item, NVFP4Operand):
+            ctx.kept.append((name, item.spec))
+            tensors += [item.qdata, item.scale, item.outer_scale, item.values]
+        else:
+            ctx.kept.append((name, None))
+            tensors.append(item)
+    ctx.save_for_backward(*tensors)
+
+
+def _saved(ctx) -> Dict[str, Union[None, torch.Tensor, NVFP4Operand]]:
+    """What :func:`_save` kept, by name."""
+    tensors, out = iter(ctx.saved_tensors), {}
+    for name, spec in ctx.kept:
+        if spec is None:
+            out[name] = next(tensors)
+        else:
+            qdata, scale, outer, values = (next(tensors) for _ in range(4))
+            out[name] = NVFP4Operand(qdata, scale, outer, spec, values)
+    return out
+
+
 def _backward_source(recipe: NVFP4Recipe) -> Optional[Override]:
     """Where backward takes X and W from, None for the saved W^T and X^T of an NVFP4 backward: an
     overridden backward's (``backward_override``), or an MS-EDEN backward's
@@ -343,7 +407,8 @@ class GemmsFn(torch.autograd.Function):
     of NVFP4 (``high_precision``), or an MS-EDEN backward (:func:`ms_eden_grads`). Returns a fresh
     tensor, never a view, so that in-place ops on it work. Backward keeps W^T and X^T as codes
     with their specs (rebuilt as the operands forward made), not the high-precision X; an
-    overridden or MS-EDEN backward keeps what ``high_precision.saved`` says.
+    overridden or MS-EDEN backward keeps what ``high_precision.saved`` says. Saved by name
+    (:func:`_save`).
 
     Raises:
         ValueError: an MS-EDEN recipe on a tensor-parallel layer (not run there yet).
@@ -367,17 +432,13 @@ class GemmsFn(torch.autograd.Function):
         # projections of an experts module, whose steps are views of one buffer). The layout
         # (a grouped one holds the forward's offs, which nothing modifies) is kept with it.
         ctx.recipe, ctx.backend, ctx.sr, ctx.layout = recipe, backend, sr, layout
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.x_dtype, ctx.w_dtype = x.dtype, None if w is None else w.dtype
         ctx.has_bias = bias is not None
-        # a saved operand is its tensors (save_for_backward) and its spec (ctx.specs)
         if source is not None:
-            ctx.specs = tuple(op.spec for op in kept) if kept else None
-            ctx.save_for_backward(w, *high_precision.saved(source, x, *(kept or (None,) * 2)))
+            _save(ctx, w=w, **high_precision.saved(source, x, kept, need_dw))
             return y
         xt, ctx.xt_meta = layout.saved_columns(xt) if xt is not None else (None, None)
-        ctx.specs = tuple(None if op is None else op.spec for op in (wt, xt))
-        none3 = (None, None, None)
-        ctx.save_for_backward(signs, *(wt[:3] if wt else none3), *(xt[:3] if xt else none3))
+        _save(ctx, signs=signs, wt=wt, xt=xt)
         return y
 
     @staticmethod
@@ -389,8 +450,9 @@ class GemmsFn(torch.autograd.Function):
             if source is None:
                 dx, dw = _nvfp4_grads(ctx, g, need_dx, need_dw)
             else:
-                w, *kept = ctx.saved_tensors
-                x, w = high_precision.restored(source, w, kept, ctx.specs)
+                kept = _saved(ctx)
+                x, w = high_precision.restored(source, layout.high_precision_weight(kept.pop("w")),
+                                               kept)
                 if ctx.recipe.backward_override is not None:
                     dx, dw = high_precision.grads(g, x, w, need_dx, need_dw, ctx.x_dtype,
                                                   ctx.w_dtype, layout.offs)
@@ -408,11 +470,14 @@ class GemmsFn(torch.autograd.Function):
 def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):
     """dgrad and wgrad in NVFP4 from what :class:`GemmsFn` saved: W^T and X^T rebuilt from their
     codes and specs."""
-    signs, *saved = ctx.saved_tensors
-    wt_spec, xt_spec = ctx.specs
-    wt = NVFP4Operand(*saved[0:3], wt_spec) if saved[0] is not None and need_dx else None
-    xt = None if saved[3] is None or not need_dw else ctx.layout.columns(
-        NVFP4Operand(*saved[3:6], xt_spec), ctx.xt_meta)
+    saved = _saved(ctx)
+    wt = None
+    if need_dx:
+        wt = saved["wt"] if ctx.layout.given is None else ctx.layout.given_columns(
+            resolved(ctx.backend))
+    xt = None if saved["xt"] is None or not need_dw else ctx.layout.columns(saved["xt"],
+                                                                             ctx.xt_meta)
+    signs = saved["signs"]
     q = quantizers.build(ctx.recipe, signs, Usage(wt is not None, xt is not None),
                          ctx.layout.shard, dy.shape, next_sr_key(*ctx.sr))
     return grads(ctx.layout, resolved(ctx.backend), dy, wt, xt, q, ctx.x_dtype, ctx.w_dtype)

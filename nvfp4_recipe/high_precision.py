@@ -9,7 +9,7 @@ autograd Functions save for an overridden backward: the unquantized X (the weigh
 Parameter itself) or the forward's NVFP4 X and W, dequantized in backward.
 """
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -69,27 +69,24 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, offs: Optional[torch.Tensor] = None
                         for rows in _group_masks(offs, dy.shape[0])])
 
 
-def saved(override: Override, x: torch.Tensor, xq: Optional[NVFP4Operand],
-          wq: Optional[NVFP4Operand]) -> Tuple[Optional[torch.Tensor], ...]:
-    """The tensors an overridden backward keeps besides the weight Parameter: X itself
-    (HIGH_PRECISION), or the fields of the forward's NVFP4 X and W (DEQUANTIZED; X as codes)."""
+def saved(override: Override, x: torch.Tensor, kept: Optional[Tuple[NVFP4Operand, NVFP4Operand]],
+          wgrad: bool = True) -> Dict[str, Union[None, torch.Tensor, NVFP4Operand]]:
+    """What an overridden backward keeps besides the weight Parameter, by name: X itself
+    (HIGH_PRECISION; None without ``wgrad``, which alone reads it), or the forward's NVFP4 X
+    and W (DEQUANTIZED; X as codes), ``kept``."""
     if override is Override.HIGH_PRECISION:
-        return (x,)
-    return (*_fields(xq), *_fields(wq))
+        return {"x": x if wgrad else None}
+    xq, wq = kept
+    return {"xq": xq, "wq": wq}
 
 
-def _fields(op: NVFP4Operand) -> Tuple[Optional[torch.Tensor], ...]:
-    return op.qdata, op.scale, op.outer_scale, op.values
-
-
-def restored(override: Override, weight: torch.Tensor, tensors, specs) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(X, W) for the overridden backward from what :func:`saved` kept (``specs``: the specs of
-    the saved X and W): the unquantized ones, or the forward's dequantized (float32)."""
+def restored(override: Override, weight: torch.Tensor,
+             kept: Dict[str, Union[torch.Tensor, NVFP4Operand]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(X, W) for the overridden backward from what :func:`saved` kept: the unquantized ones, or
+    the forward's dequantized (float32)."""
     if override is Override.HIGH_PRECISION:
-        return tensors[0], weight
-    xq = NVFP4Operand(*tensors[0:3], specs[0], tensors[3])
-    wq = NVFP4Operand(*tensors[4:7], specs[1], tensors[7])
-    return R.dequantize(xq), R.dequantize(wq)
+        return kept["x"], weight
+    return R.dequantize(kept["xq"]), R.dequantize(kept["wq"])
 
 
 def grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, need_dx: bool, need_dw: bool,

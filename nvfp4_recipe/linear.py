@@ -8,65 +8,24 @@ tensor-parallel layer (DTensor weight) runs the same algorithm on its shards
 (``tensor_parallel.py``).
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from . import gemms, quantizers
-from .backends import Backend, get_backend
+from .backends import get_backend
 from .formats import BLOCK
 from .forward import Cache, forward_gemms
 from .layer import (DenseRecorder, NVFP4Module, autocast_off, backend_name, check_sizes, local,
                     out_dtype)
 from .operand import NVFP4Operand
-from .quantizers import Usage
 from .recipe import NVFP4Recipe
 from .tensor import NVFP4Tensor
 from .tensor_parallel import TensorParallelShard, is_tensor_parallel, tensor_parallel_forward
 
 
-__all__ = ["NVFP4Linear", "linear_fprop", "linear_grads"]
-
-
-def linear_fprop(be: Backend, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype, need_wt: bool,
-                 need_xt: bool, shard: Optional[TensorParallelShard] = None,
-                 w: Optional[NVFP4Operand] = None, keep: bool = False,
-                 ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[NVFP4Operand], Optional[tuple]]:
-    """fprop of an NVFP4 linear, :func:`gemms.fprop` of the :class:`gemms.Dense` layout:
-    ``Y = Q(X) @ Q(W)^T + bias``.
-
-    Args:
-        x: (M, K) activations; weight: W (N, K), or W quantized already (an NVFP4Tensor:
-            :func:`gemms.weight_operands`); bias: None or (N,).
-        shard: None, or the tensor-parallel layout of these local shards (``Dense.shard``).
-        w: W as ``be.prepare_weight`` made it for fprop (:func:`cached_weights`), or None to
-            quantize ``weight`` here; only without need_wt.
-        Others: as :func:`gemms.fprop`.
-    Returns:
-        (Y (M, N) of ``out_dtype``, W^T (K, N) or None, X^T (K, M) or None, (X, W) operands or
-        None).
-    """
-    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep), shard)
-    return gemms.fprop(_dense(shard), be, x, weight, bias, q, out_dtype, w)
-
-
-def linear_grads(be: Backend, dy: torch.Tensor, wt: Optional[NVFP4Operand],
-                 xt: Optional[NVFP4Operand], recipe: NVFP4Recipe, signs: torch.Tensor,
-                 seed: torch.Tensor, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
-                 shard: Optional[TensorParallelShard] = None,
-                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """dgrad and wgrad of an NVFP4 linear from dY (M, N), :func:`gemms.grads` of the
-    :class:`gemms.Dense` layout, with W^T (K, N) and X^T (K, M) as :func:`linear_fprop` made
-    them; ``shard`` as there; ``seed``: the step's SR key (``layer.next_sr_key``).
-
-    Returns:
-        (dX (M, K) of ``dx_dtype`` or None, dW (N, K) of ``dw_dtype`` or None).
-    """
-    q = quantizers.build(recipe, signs, Usage(wt is not None, xt is not None), shard, dy.shape,
-                         seed)
-    return gemms.grads(_dense(shard), be, dy, wt, xt, q, dx_dtype, dw_dtype)
+__all__ = ["NVFP4Linear"]
 
 
 _DENSE = gemms.Dense()

@@ -28,61 +28,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemms, quantizers
-from .backends import Backend, resolved
+from . import gemms
+from .backends import resolved
 from .backends.grouped import check_offsets, expert_slice, group_bounds, group_slice
 from .formats import BLOCK
 from .forward import forward_gemms
 from .layer import NVFP4Module, backend_name, check_sizes, out_dtype, size_problem
-from .operand import GroupedOperand, NVFP4Operand
-from .quantizers import OperandQuantizer, TensorQuantizer, Usage
+from .operand import GroupedOperand
+from .quantizers import OperandQuantizer, TensorQuantizer
 from .recipe import NVFP4Recipe
 from .tensor import NVFP4Tensor
 
-__all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "grouped_fprop",
-           "grouped_grads", "pad_groups", "register_experts", "experts_modules", "experts_problem",
-           "router_ids", "GroupedRecorder", "swiglu_experts", "routed_experts"]
+__all__ = ["NVFP4Experts", "NVFP4GroupedExperts", "NVFP4HFExperts", "grouped_linear", "pad_groups",
+           "register_experts", "experts_modules", "experts_problem", "router_ids", "GroupedRecorder", "swiglu_experts", "routed_experts"]
 
 
 # ----------------------------------------------------------------------------------------------
 # The layer algorithm
 # ----------------------------------------------------------------------------------------------
-def grouped_fprop(be: Backend, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
-                  recipe: NVFP4Recipe, signs: torch.Tensor, out_dtype: torch.dtype,
-                  need_wt: bool, need_xt: bool, wq: Optional[NVFP4Operand] = None, keep: bool = False,
-                  ) -> Tuple[torch.Tensor, Optional[NVFP4Operand], Optional[GroupedOperand], Optional[tuple]]:
-    """fprop of a grouped NVFP4 linear, :func:`gemms.fprop` of the :class:`gemms.Grouped`
-    layout: ``Y[group g] = Q(X_g) @ Q(W_g)^T``.
-
-    Args:
-        x: (T, K) tokens sorted by expert; offs: int32 (G,) group ends; w: (G, N, K) weights.
-        wq: the weights as ``be.quantize_experts`` made them for fprop (:func:`cached_weights`),
-            or None to quantize ``w`` here; only without need_wt.
-        Others: as :func:`gemms.fprop`.
-    Returns:
-        (Y (T, N) of ``out_dtype``, zeros past the last group; W^T (G, K, N) or None; X^T
-        grouped along the tokens or None; (X, W) operands or None).
-    """
-    q = quantizers.build(recipe, signs, Usage(need_wt, need_xt, keep))
-    return gemms.fprop(gemms.Grouped(offs), be, x, w, None, q, out_dtype, wq)
-
-
-def grouped_grads(be: Backend, dy: torch.Tensor, offs: torch.Tensor,
-                  wt: Optional[NVFP4Operand], xt: Optional[GroupedOperand], recipe: NVFP4Recipe,
-                  signs: torch.Tensor, seed: torch.Tensor, dx_dtype: torch.dtype,
-                  dw_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """dgrad and wgrad of a grouped NVFP4 linear from dY (T, N), :func:`gemms.grads`
-    of the :class:`gemms.Grouped` layout, with W^T and X^T as :func:`grouped_fprop` made them;
-    ``seed``: the step's SR key (``layer.next_sr_key``).
-
-    Returns:
-        (dX (T, K) of ``dx_dtype`` or None, dW (G, N, K) of ``dw_dtype`` or None).
-    """
-    q = quantizers.build(recipe, signs, Usage(wt is not None, xt is not None), None, dy.shape,
-                         seed)
-    return gemms.grads(gemms.Grouped(offs), be, dy, wt, xt, q, dx_dtype, dw_dtype)
-
-
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe,
                    signs: torch.Tensor, sr_seed: torch.Tensor, sr_step: torch.Tensor,
                    backend: Optional[str] = None, sr_rank: int = 0) -> torch.Tensor:

@@ -3,6 +3,7 @@ NVFP4Linear's bit for bit, whose dgrad reaches the input, and beside which PEFT'
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nvfp4_recipe as N
@@ -93,7 +94,8 @@ def test_bf16_gemms_use_the_dequantized_weight(tmp_path):
     w = model[1].quantized_weight().dequantize(torch.bfloat16)
     x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
     y = frozen(x)
-    assert torch.equal(y, x.detach() @ w.t() + model[1].bias.detach())
+    assert torch.equal(y, F.linear(x.detach(), w, model[1].bias.detach()))
+    assert torch.equal(y, frozen.dequantize()(x.detach()))  # nn.Linear on the dequantized weight
     dy = torch.randn_like(y)
     y.backward(dy)
     assert torch.equal(x.grad, dy @ w)

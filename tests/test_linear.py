@@ -10,9 +10,9 @@ from torch import nn
 
 import nvfp4_recipe as nr
 from nvfp4_recipe import NVFP4Linear, NVFP4Recipe, dequantize_, quantize_
+from nvfp4_recipe import gemms, quantizers
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends import get_backend
-from nvfp4_recipe.linear import linear_fprop, linear_grads
 from nvfp4_recipe.recipe import SR_OFFSETS
 from nvfp4_recipe.spec import Block, GemmRole, QuantSpec
 
@@ -266,12 +266,17 @@ def test_eager_calls_equal_the_registered_operators(backend):
     x, w, dy = (t.to(dev) for t in (torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)))
     seed, signs = torch.tensor(7 + (3 << 32), device=dev), r.signs().to(dev)
 
+    def fprop(usage):
+        q = quantizers.build(r, signs, usage)
+        return gemms.fprop(gemms.Dense(), be, x, w, None, q, torch.float32)
+
     def run(compiling: bool):
         with mock.patch.object(torch.compiler, "is_compiling", lambda: compiling):
-            y, wt, xt, _ = linear_fprop(be, x, w, None, r, signs, torch.float32, True, True)
-            y_eval, no_wt, no_xt, _ = linear_fprop(be, x, w, None, r, signs, torch.float32, False, False)
+            y, wt, xt, _ = fprop(quantizers.Usage(True, True))
+            y_eval, no_wt, no_xt, _ = fprop(quantizers.FPROP_ONLY)
             assert no_wt is None and no_xt is None and torch.equal(y_eval, y)
-            grads = linear_grads(be, dy, wt, xt, r, signs, seed, torch.float32, torch.float32)
+            q = quantizers.build(r, signs, quantizers.Usage(True, True), None, dy.shape, seed)
+            grads = gemms.grads(gemms.Dense(), be, dy, wt, xt, q, torch.float32, torch.float32)
         return [y, y_eval, *wt[:3], *xt[:3], *grads], (wt.block, xt.block)
 
     (direct, blocks), (via_ops, op_blocks) = run(False), run(True)

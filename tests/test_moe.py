@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nvfp4_recipe as nr
-from nvfp4_recipe import moe
+from nvfp4_recipe import gemms, moe, quantizers
 from nvfp4_recipe import reference as R
 from nvfp4_recipe.api import skip_reasons
 from nvfp4_recipe import backends
@@ -526,7 +526,7 @@ def test_native_grouped_plumbing(monkeypatch, caplog, kernel_device):
 
 
 def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch, kernel_device):
-    """Through the layer's algorithm (``moe.grouped_fprop``, X a transient copy) the native backend
+    """Through the layer's algorithm (``gemms.fprop``, X a transient copy) the native backend
     hands X to ``F.scaled_grouped_mm`` as codes, and gets the Triton grouped GEMM's result up to
     the fp32 summation order (one bf16 rounding each). On ``kernel_device``: the native backend
     quantizes the groups with the Triton kernels."""
@@ -543,11 +543,13 @@ def test_native_grouped_layer_reaches_scaled_grouped_mm(monkeypatch, kernel_devi
     r = nr.NVFP4Recipe()
     x, w = rand((64, 64), device=dev, seed=4), rand((3, 32, 64), torch.float32, dev, seed=5)
     signs = r.signs().to(dev)
-    y = moe.grouped_fprop(native_backend(), x, offs, w, r, signs, torch.bfloat16, False,
-                          False)[0]
+    q = quantizers.build(r, signs, quantizers.FPROP_ONLY)
+
+    def fprop(be):
+        return gemms.fprop(gemms.Grouped(offs), be, x, w, None, q, torch.bfloat16)[0]
+    y = fprop(native_backend())
     assert calls == [1]
-    want = moe.grouped_fprop(get_backend("triton", dev), x, offs, w, r, signs, torch.bfloat16,
-                             False, False)[0]
+    want = fprop(get_backend("triton", dev))
     torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
 

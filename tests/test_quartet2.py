@@ -19,9 +19,10 @@ from nvfp4_recipe import reference as R
 from nvfp4_recipe.backends import get_backend
 from nvfp4_recipe.layer import sr_key
 from nvfp4_recipe.recipe import MS_EDEN_OFFSETS, ROTATION_SIGNS_OFFSET
-from nvfp4_recipe.spec import (BackwardEstimator, FourOverSix, GemmRole, MSEden, QuantSpec,
-                               Rounding)
+from nvfp4_recipe.spec import (BackendName, BackwardEstimator, FourOverSix, GemmRole, MSEden,
+                               QuantSpec, Rounding)
 from nvfp4_recipe.train.config import RECIPES
+from nvfp4_recipe.train.recipes import make_recipe
 
 from nvfp4_cases import assert_fp32_products, rand
 
@@ -426,3 +427,32 @@ def test_the_main_job_trains_the_recipe(tmp_path, extra):
                        *extra])
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     assert status == 0 and run["status"] == "ok" and run["val_loss"] < run["val_curve"][0][1]
+
+
+def test_the_main_jobs_recipe_runs_on_the_reference_backend_unless_told_otherwise():
+    """`train --recipes nvfp4-quartet2` on a GPU takes the reference backend (the only one that
+    runs MS-EDEN) where --backend is auto; a backend named on the command line is kept."""
+    assert make_recipe("nvfp4-quartet2", 0, "auto").backend is BackendName.REFERENCE
+    assert make_recipe("nvfp4-quartet2", 0, "triton").backend is BackendName.TRITON
+    assert make_recipe("nvfp4", 0, "auto").backend is BackendName.AUTO
+
+
+def test_a_frozen_layer_runs_the_ms_eden_backward_of_the_layer_it_was_trained_as():
+    """A frozen base is a given W in the one autograd Function: holding the codes a trained layer
+    quantizes its weight to (same layer seed, so the same SR stream), its fprop and its MS-EDEN
+    dX are that layer's bit for bit, on fresh random inputs."""
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    r = make_recipe("nvfp4-quartet2", 0, "auto")
+    layer = nr.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 48)), r)[0]
+    wq = layer.quantized_weight()
+    frozen = nr.NVFP4FrozenLinear(wq.qdata, wq.scale, wq.outer_scale, layer.bias.detach(), recipe=r,
+                                  dtype=torch.float32, layer_seed=layer.layer_seed)
+    x, dy = torch.randn(32, 64), torch.randn(32, 48)
+    grads = []
+    for module in (layer, frozen):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        y.backward(dy)
+        grads.append((y.detach(), xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][1].abs().sum() > 0

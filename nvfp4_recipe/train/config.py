@@ -152,7 +152,7 @@ RECIPES: Dict[str, Optional[dict]] = {
     "nvfp4-4over6-tail": {"four_over_six": "activations", "keep_last_blocks": TAIL},
     "nvfp4-quartet2": {"four_over_six": "activations", "four_over_six_error": "mse",
                        "weight_2d": False, "rht": False, "stochastic_rounding": False,
-                       "backward_estimator": "ms_eden"},
+                       "backward_estimator": "ms_eden", "backend": "reference"},
 }
 
 DESCRIPTIONS = {
@@ -180,7 +180,8 @@ DESCRIPTIONS = {
                       "weights and activations; dgrad and wgrad with MS-EDEN: dY and the forward's "
                       "NVFP4 W and X quantized again under a random 128-point Hadamard rotation, "
                       "values rounded to nearest, EDEN-corrected block scales rounded "
-                      "stochastically (backward_estimator='ms_eden'; the reference backend only)",
+                      "stochastically (backward_estimator='ms_eden'); on the reference backend "
+                      "unless --backend names another (which refuses it)",
 }
 
 

@@ -15,15 +15,20 @@ from .config import KEEP_HIGH_PRECISION, RECIPES, check_recipes
 
 
 def make_recipe(name: str, seed: int, backend: str):
-    """The :class:`NVFP4Recipe` of recipe ``name``, or None for the baseline.
+    """The :class:`NVFP4Recipe` of recipe ``name``, or None for the baseline, on ``backend``;
+    where ``backend`` is "auto", on the recipe's own where its table entry names one (a recipe
+    only the reference backend runs: ``nvfp4-quartet2``).
 
     Raises:
         ValueError: ``name`` is unknown.
     """
     check_recipes([name])
-    fields = RECIPES[name]
-    if fields is None:
+    if RECIPES[name] is None:
         return None
+    fields = dict(RECIPES[name])
+    own = fields.pop("backend", None)
+    if own is not None and backend == "auto":
+        backend = own
     return NVFP4Recipe(keep_bf16=KEEP_HIGH_PRECISION, seed=seed, backend=backend, **fields)
 
 
