@@ -14,7 +14,6 @@ scales are (G,), as the grouped primitives take them (``backends.Backend.quantiz
 """
 
 import dataclasses
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -90,11 +89,23 @@ class FrozenModule(NVFP4Module):
         """The names of the buffers holding the weights' codes and scales."""
         raise NotImplementedError
 
+    @property
+    def recipe(self) -> NVFP4Recipe:
+        """The layer's recipe (set at construction and by ``set_recipe``)."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: NVFP4Recipe) -> None:
+        self._recipe = recipe
+        self._gemm_recipe = recipe if self.gemm == "nvfp4" else dataclasses.replace(
+            recipe, forward_override=Override.HIGH_PRECISION,
+            backward_override=Override.HIGH_PRECISION)
+
     def gemm_recipe(self) -> NVFP4Recipe:
         """The recipe the GEMMs run under: the layer's for ``gemm="nvfp4"``; for "bf16" the
         layer's with fprop and dgrad in high precision (``forward_override``,
         ``backward_override``), on the weight dequantized for the call."""
-        return self.recipe if self.gemm == "nvfp4" else _high_precision(self.recipe)
+        return self._gemm_recipe
 
     def check_recipe(self, recipe: NVFP4Recipe) -> None:
         """A frozen base has no high-precision weight: the overrides that need one are refused."""
@@ -114,8 +125,3 @@ class FrozenModule(NVFP4Module):
                 self._buffers[name] = old.to(new.device)
         return self
 
-
-@functools.lru_cache(maxsize=None)
-def _high_precision(recipe: NVFP4Recipe) -> NVFP4Recipe:
-    return dataclasses.replace(recipe, forward_override=Override.HIGH_PRECISION,
-                               backward_override=Override.HIGH_PRECISION)

@@ -450,21 +450,25 @@ class GemmsFn(torch.autograd.Function):
             if source is None:
                 dx, dw = _nvfp4_grads(ctx, g, need_dx, need_dw)
             else:
-                kept = _saved(ctx)
-                x, w = high_precision.restored(source, layout.high_precision_weight(kept.pop("w")),
-                                               kept)
-                if ctx.recipe.backward_override is not None:
-                    dx, dw = high_precision.grads(g, x, w, need_dx, need_dw, ctx.x_dtype,
-                                                  ctx.w_dtype, layout.offs)
-                else:
-                    q = quantizers.build_ms_eden(ctx.recipe, Usage(need_dx, need_dw),
-                                                 next_sr_key(*ctx.sr), g.device)
-                    dx, dw = ms_eden_grads(layout, resolved(ctx.backend), g, x, w, q, ctx.x_dtype,
-                                           ctx.w_dtype)
+                dx, dw = _grads_from_x_and_w(ctx, source, g, need_dx, need_dw)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of dY
         return dx, dw, db, None, None, None, None, None, None
+
+
+def _grads_from_x_and_w(ctx, source: Override, dy: torch.Tensor, need_dx: bool, need_dw: bool):
+    """dgrad and wgrad from the X and W :class:`GemmsFn` kept (``_backward_source``): in high
+    precision under ``backward_override`` (``high_precision.grads``), else an MS-EDEN backward
+    (:func:`ms_eden_grads`)."""
+    layout, kept = ctx.layout, _saved(ctx)
+    x, w = high_precision.restored(source, layout.high_precision_weight(kept.pop("w")), kept)
+    if ctx.recipe.backward_override is not None:
+        return high_precision.grads(dy, x, w, need_dx, need_dw, ctx.x_dtype, ctx.w_dtype,
+                                    layout.offs)
+    q = quantizers.build_ms_eden(ctx.recipe, Usage(need_dx, need_dw), next_sr_key(*ctx.sr),
+                                 dy.device)
+    return ms_eden_grads(layout, resolved(ctx.backend), dy, x, w, q, ctx.x_dtype, ctx.w_dtype)
 
 
 def _nvfp4_grads(ctx, dy: torch.Tensor, need_dx: bool, need_dw: bool):

@@ -15,7 +15,11 @@ ARGS = ["train", "--preset", "tiny", "--recipes", "bf16", "nvfp4", "--steps", "8
 
 
 def _torchrun(out, *args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    """The main job under torchrun on 2 processes. Inductor's cache is the run's own: a pytest
+    worker compiling the same kernels beside it once left a half-written library in the shared
+    one ("file too short")."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               TORCHINDUCTOR_CACHE_DIR=str(out.parent / f"{out.name}_inductor"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "nvfp4_recipe", *args, "--out", str(out)],
                           capture_output=True, text=True, env=env, cwd=out.parent, timeout=300)

@@ -1,6 +1,8 @@
 """frozen: an NVFP4 checkpoint as a frozen base (codes and scales only) whose forward is the trained
 NVFP4Linear's bit for bit, whose dgrad reaches the input, and beside which PEFT's LoRA trains."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,29 @@ def test_lora_adapters_train_on_the_frozen_base(tmp_path):
         for p in trainable.values():
             p -= 0.1 * p.grad
     assert not torch.equal(peft_model(x).detach(), before)
+
+
+@pytest.mark.parametrize("gemm", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("recipe", [N.NVFP4Recipe(), N.NVFP4Recipe(weight_2d=False)],
+                         ids=["2d", "1d"])
+def test_a_compiled_frozen_base_trains_as_in_eager_mode(tmp_path, gemm, recipe):
+    """A frozen base with LoRA-like trainable neighbours under torch.compile (fullgraph, the
+    traced graph): the outputs and dX of eager mode, bit for bit, with dgrad's SR stream advancing
+    alike; fresh random inputs."""
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    _, path = exported(tmp_path, "compressed-tensors", recipe)
+    model = load_frozen(make(), path, gemm=gemm)
+    compiled = torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)
+    x, dy = torch.randn(32, 64), torch.randn(32, 48)
+    for _ in range(2):  # the second step draws other SR bits in both
+        got = []
+        for m in (model, compiled):
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            y.backward(dy)
+            got.append((y.detach(), xi.grad))
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    torch._dynamo.reset()
 
 
 def test_load_errors_name_the_problem(tmp_path):
