@@ -23,13 +23,14 @@ from nvfp4_cases import KERNEL_DEVICE  # noqa: E402  (after TRITON_INTERPRET)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The whole suite on a GPU machine (``python -m pytest -q``, no paths given) runs on one
-    pytest-xdist worker per core: its time is Triton and Inductor compiling kernels for the GPU,
-    which one process does serially. ``-n 0`` runs it in one process; a run of chosen paths, or
-    with ``--pdb``, stays in one unless ``-n`` says otherwise. The workers compile in their own
-    process (one Inductor compile thread each) instead of each starting a pool of its own."""
+    """The whole suite (``python -m pytest -q``, no paths given) runs on one pytest-xdist worker
+    per core: on a GPU machine its time is Triton and Inductor compiling kernels, on a CPU the
+    Triton interpreter, which one process runs on one core. ``-n 0`` runs it in one process; a
+    run of chosen paths, or with ``--pdb``, stays in one unless ``-n`` says otherwise. The workers
+    compile in their own process (one Inductor compile thread each) instead of each starting a
+    pool of its own."""
     whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
-    if (torch.cuda.is_available() and whole_suite and config.pluginmanager.hasplugin("xdist")
+    if (whole_suite and config.pluginmanager.hasplugin("xdist")
             and config.option.numprocesses is None and not config.option.usepdb
             and not hasattr(config, "workerinput")):
         config.option.numprocesses = "auto"
