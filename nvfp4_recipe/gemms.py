@@ -112,10 +112,11 @@ class Dense(NamedTuple):
 
     def given_columns(self, be: Backend) -> NVFP4Operand:
         """dgrad's W^T (K, N) of the given W: its exact transpose (``be.transpose_2d``) for 16x16
-        tile scales, else W dequantized (exact) and quantized again along N under its spec."""
+        tile scales, else W dequantized (exact) and quantized again along N under its spec
+        (``be.quantize``)."""
         if self.given.block is Block.D2:
             return be.transpose_2d(self.given)
-        return R.quantize(R.dequantize(self.given).t(), self.given.spec)
+        return be.quantize(R.dequantize(self.given).t(), self.given.spec)
 
     def high_precision_weight(self, w: Optional[torch.Tensor]) -> torch.Tensor:
         """W as the high-precision GEMMs take it: ``w``, or the given W dequantized (float32)."""

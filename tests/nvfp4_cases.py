@@ -33,6 +33,22 @@ def backend_device(backend: str) -> torch.device:
     return KERNEL_DEVICE if backend == "triton" else torch.device("cpu")
 
 
+def assert_same_step(modules, x: torch.Tensor, dy: torch.Tensor):
+    """One forward and backward of each module on a copy of ``x`` with output gradient ``dy``:
+    the outputs and the input gradients are equal bit for bit, and the gradient is not zero.
+    Returns the (output, input gradient) of the first."""
+    steps = []
+    for module in modules:
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        y.backward(dy)
+        steps.append((y.detach(), xi.grad))
+    for y, dx in steps[1:]:
+        assert torch.equal(y, steps[0][0]) and torch.equal(dx, steps[0][1])
+    assert steps[0][1].abs().sum() > 0
+    return steps[0]
+
+
 def rand(shape, dtype=torch.bfloat16, device="cpu", seed=0):
     """Random values over many magnitudes (per row and per element), with exact zeros,
     a zero 16x16 tile and values that hit E2M1 grid points exactly: E4M3 subnormal and zero block

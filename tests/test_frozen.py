@@ -15,7 +15,7 @@ from nvfp4_recipe.frozen_experts import NVFP4FrozenGroupedExperts, NVFP4FrozenHF
 from nvfp4_recipe.layer import layer_seed
 from nvfp4_recipe.serving import export, record_amaxes
 
-from nvfp4_cases import backend_device, tiny_hf_moe
+from nvfp4_cases import assert_same_step, backend_device, tiny_hf_moe
 
 pytest.importorskip("safetensors")
 FORMATS = ("compressed-tensors", "modelopt")
@@ -160,13 +160,7 @@ def test_a_compiled_frozen_base_trains_as_in_eager_mode(tmp_path, gemm, recipe):
     compiled = torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)
     x, dy = torch.randn(32, 64), torch.randn(32, 48)
     for _ in range(2):  # the second step draws other SR bits in both
-        got = []
-        for m in (model, compiled):
-            xi = x.clone().requires_grad_()
-            y = m(xi)
-            y.backward(dy)
-            got.append((y.detach(), xi.grad))
-        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+        assert_same_step((model, compiled), x, dy)
     torch._dynamo.reset()
 
 
